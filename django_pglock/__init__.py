@@ -1,0 +1,14 @@
+"""Singleton jobs for Django, backed by the PostgreSQL database the project already has."""
+
+from __future__ import annotations
+
+from .exceptions import LockError, LockNotAcquired, LockNotHeld
+from .lock import Lease, Lock
+
+__all__ = [
+    "Lease",
+    "Lock",
+    "LockError",
+    "LockNotAcquired",
+    "LockNotHeld",
+]

@@ -1,0 +1,46 @@
+"""The async shell around :class:`~django_pglock.Lock`: no logic of its own.
+
+Each acquire statement runs in a worker thread and waiting uses ``asyncio.sleep``, so
+the event loop is never blocked; the decisions are the sync core's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .lock import Lease, Lock, _Waiter
+
+__all__ = ["AsyncAcquisition"]
+
+
+class AsyncAcquisition:
+    """What ``Lock.acquire_async()`` returns: ``async with`` yields a Lease or ``None``."""
+
+    def __init__(self, lock: Lock, waiter: _Waiter) -> None:
+        self._lock = lock
+        self._waiter = waiter
+        self.lease: Lease | None = None
+
+    async def __aenter__(self) -> Lease | None:
+        waiter = self._waiter
+        while True:
+            lease = await asyncio.to_thread(self._lock._attempt_once, waiter)
+            if lease is not None:
+                self.lease = lease
+                return lease
+            delay = waiter.next_delay()
+            if delay is None:
+                return None
+            await asyncio.sleep(delay)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.lease is not None:
+            await asyncio.to_thread(self.lease.__exit__, exc_type, exc, tb)

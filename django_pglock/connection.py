@@ -1,0 +1,230 @@
+"""The one dedicated autocommit connection per process and database alias.
+
+Built from ``DATABASES[alias]`` through Django's own ``get_connection_params()``, so every
+libpq option, SSL setting, service file and ``.pgpass`` works as it does for Django,
+while Django's connection (and its pool and transactions) is never touched. A forked
+child never uses its parent's connection: the registry is keyed by process id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import threading
+from typing import Any
+
+import psycopg
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connections
+
+from . import sql
+from .conf import get_setting
+from .exceptions import LockError
+
+__all__ = ["LockConnection", "get_connection", "validate_alias"]
+
+logger = logging.getLogger("django_pglock")
+
+STATEMENT_TIMEOUT = "30s"
+LOCK_TIMEOUT = "5s"
+_KEEPALIVES = {
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+}
+# Keys of Django's connection params that are not libpq parameters.
+_NOT_LIBPQ = ("cursor_factory", "context", "prepare_threshold", "row_factory", "autocommit")
+
+
+def validate_alias(alias: object) -> str:
+    """Return ``alias`` if it names a PostgreSQL database, else raise ``ImproperlyConfigured``."""
+    if not isinstance(alias, str) or alias not in connections.settings:
+        known = ", ".join(repr(a) for a in connections.settings) or "none"
+        raise ImproperlyConfigured(
+            f"Database alias {alias!r} is not in settings.DATABASES (known aliases: {known}); "
+            "pass using= one of them or set DJANGO_PGLOCK['DATABASE']."
+        )
+    vendor = connections[alias].vendor
+    if vendor != "postgresql":
+        raise ImproperlyConfigured(
+            f"Database alias {alias!r} uses the {vendor!r} backend; django_pglock needs "
+            "PostgreSQL: point using= at an alias with ENGINE 'django.db.backends.postgresql'."
+        )
+    return alias
+
+
+class LockConnection:
+    """An autocommit psycopg connection shared by every lock of this process on one alias.
+
+    Calls are serialised by a lock. A broken connection is closed and reopened on the next
+    call; ``generation`` counts the sessions opened, so callers can tell whether the
+    session that took an advisory lock is still the current one.
+    """
+
+    def __init__(self, alias: str) -> None:
+        self.alias = alias
+        self.lock = threading.RLock()
+        self.generation = 0
+        self.backend_pid: int | None = None
+        self.pooled = False  # a transaction-mode pooler was detected
+        self._conn: psycopg.Connection[Any] | None = None
+        self._prepare = True
+
+    def __repr__(self) -> str:  # never shows connection parameters
+        state = "open" if self._conn is not None else "closed"
+        return f"<LockConnection alias={self.alias!r} {state} backend_pid={self.backend_pid}>"
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        wrapper = connections[self.alias]
+        params = dict(wrapper.get_connection_params())
+        options = wrapper.settings_dict.get("OPTIONS", {})
+        for key in _NOT_LIBPQ:
+            params.pop(key, None)
+        params.setdefault("application_name", "django_pglock")
+        for key, value in _KEEPALIVES.items():
+            params.setdefault(key, value)
+        # Prepared statements save planning on every acquire; they are unsafe behind a
+        # transaction-mode pooler, which is also when the advisory path is switched off.
+        if "prepare_threshold" in options:
+            self._prepare = options["prepare_threshold"] is not None
+        else:
+            self._prepare = bool(get_setting("ADVISORY"))
+        try:
+            conn = psycopg.connect(autocommit=True, prepare_threshold=None, **params)
+        except psycopg.Error as exc:
+            # libpq's message names host and port, never the password; the parameters
+            # themselves are not repeated here.
+            raise LockError(
+                f"Could not open the lock connection for database alias {self.alias!r}: "
+                f"{_first_line(exc)}. Check DATABASES[{self.alias!r}] and that the server is up."
+            ) from None
+        row = conn.execute(
+            sql.SESSION_SETUP,
+            {"statement_timeout": STATEMENT_TIMEOUT, "lock_timeout": LOCK_TIMEOUT},
+        ).fetchone()
+        assert row is not None
+        self.backend_pid = int(row[2])
+        self.generation += 1
+        return conn
+
+    def execute(self, query: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """Run one statement and return its rows; on a broken connection raise ``LockError``."""
+        with self.lock:
+            if self._conn is None or self._conn.closed:
+                self._conn = self._connect()
+            try:
+                cursor = self._conn.execute(query, params, prepare=self._prepare)
+                return cursor.fetchall() if cursor.description else []
+            except psycopg.OperationalError as exc:
+                if self._conn.broken or self._conn.closed:
+                    self._discard()
+                    raise LockError(
+                        f"The lock connection for database alias {self.alias!r} was lost: "
+                        f"{_first_line(exc)}."
+                    ) from None
+                raise LockError(
+                    f"A lock statement failed on database alias {self.alias!r}: {_first_line(exc)}."
+                ) from exc
+            except psycopg.Error as exc:
+                raise LockError(
+                    f"A lock statement failed on database alias {self.alias!r}: {_first_line(exc)}."
+                ) from exc
+
+    def note_backend_pid(self, backend_pid: int) -> None:
+        """Compare the server process that ran a statement with this session's.
+
+        A different one means a transaction-mode pooler sits in between: session advisory
+        locks cannot be trusted there, so the advisory path is switched off for good.
+        """
+        if self.backend_pid is not None and backend_pid != self.backend_pid and not self.pooled:
+            self.pooled = True
+            logger.warning(
+                "django_pglock: statements on database alias %r ran on different server "
+                "processes; a transaction-mode pooler is in the way, so the advisory path is "
+                "off. Set DJANGO_PGLOCK['ADVISORY'] = False for this deployment.",
+                self.alias,
+            )
+
+    def fileno(self) -> int | None:
+        """The socket of the open session, for the heartbeat thread to watch."""
+        conn = self._conn
+        if conn is None or conn.closed:
+            return None
+        try:
+            return conn.fileno()
+        except psycopg.Error:
+            return None
+
+    def probe_if_readable(self) -> bool:
+        """Check an idle session whose socket became readable; ``False`` if it is gone.
+
+        With no statement in flight, readable input on the socket is either a notice or
+        the server ending the session (``pg_terminate_backend``, shutdown).
+        """
+        with self.lock:
+            fd = self.fileno()
+            if fd is None:
+                return self._conn is not None
+            readable, _, _ = select.select([fd], [], [], 0)
+            if not readable:
+                return True
+            assert self._conn is not None
+            try:
+                self._conn.execute("SELECT 1")
+                return True
+            except psycopg.Error:
+                self._discard()
+                return False
+
+    def is_open(self) -> bool:
+        return self._conn is not None and not self._conn.closed
+
+    def _discard(self) -> None:
+        conn, self._conn = self._conn, None
+        self.backend_pid = None
+        if conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
+
+    def close(self) -> None:
+        with self.lock:
+            self._discard()
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+_registry: dict[str, LockConnection] = {}
+_registry_pid = os.getpid()
+_registry_lock = threading.Lock()
+
+
+def get_connection(alias: str) -> LockConnection:
+    """The dedicated connection of this process for ``alias`` (opened lazily)."""
+    global _registry_pid
+    with _registry_lock:
+        if _registry_pid != os.getpid():
+            _forget_after_fork()
+        conn = _registry.get(alias)
+        if conn is None:
+            conn = _registry[alias] = LockConnection(alias)
+        return conn
+
+
+def _forget_after_fork() -> None:
+    """Drop the parent's connections in a forked child without closing them.
+
+    psycopg does not finish a connection from a process other than the one that opened
+    it, so the parent's sessions stay intact.
+    """
+    global _registry_pid, _registry_lock
+    _registry.clear()
+    _registry_pid = os.getpid()
+    _registry_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

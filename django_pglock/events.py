@@ -1,0 +1,62 @@
+"""Sending signals and calling metrics hooks without ever breaking the lock."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from django.dispatch import Signal
+from django.utils.module_loading import import_string
+
+from .conf import get_setting
+
+__all__ = ["call_metrics", "configured_metrics", "send"]
+
+logger = logging.getLogger("django_pglock")
+
+METRICS_METHODS = (
+    "acquired",
+    "released",
+    "contended",
+    "stale_reclaimed",
+    "alert",
+    "lost",
+    "heartbeat_latency",
+)
+
+_metrics_cache: dict[str, Any] = {}
+
+
+def configured_metrics() -> Any | None:
+    """The instance of ``DJANGO_PGLOCK['METRICS']``, or ``None`` when it is not set."""
+    path = get_setting("METRICS")
+    if not path:
+        return None
+    if path not in _metrics_cache:
+        _metrics_cache[path] = import_string(path)()
+    return _metrics_cache[path]
+
+
+def send(signal: Signal, sender: Any, **kwargs: Any) -> None:
+    """Send ``signal``; a receiver that raises is logged and does not stop the others."""
+    for receiver, result in signal.send_robust(sender=sender, **kwargs):
+        if isinstance(result, Exception):
+            logger.error(
+                "django_pglock: signal receiver %r raised %s: %s",
+                receiver,
+                type(result).__name__,
+                result,
+                exc_info=(type(result), result, result.__traceback__),
+            )
+
+
+def call_metrics(hooks: tuple[Any, ...], method: str, *args: Any) -> None:
+    """Call ``method`` on every hook object that has it; exceptions are logged."""
+    for hook in hooks:
+        func = getattr(hook, method, None) if hook is not None else None
+        if func is None:
+            continue
+        try:
+            func(*args)
+        except Exception:
+            logger.exception("django_pglock: metrics hook %r.%s raised", hook, method)

@@ -1,0 +1,612 @@
+"""``Lock`` and ``Lease``: the lock state machine (synchronous; the async API wraps it)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from types import TracebackType
+from typing import Any
+
+from django.db import connections
+
+from . import heartbeat, signals, sql
+from .aio import AsyncAcquisition
+from .conf import Thresholds, check_seconds, get_setting, validate_thresholds
+from .connection import LockConnection, get_connection, validate_alias
+from .events import call_metrics, configured_metrics, send
+from .exceptions import LockError, LockNotAcquired, LockNotHeld
+from .identity import current, default_description, redact
+
+__all__ = ["Lease", "Lock", "validate_name"]
+
+logger = logging.getLogger("django_pglock")
+
+MAX_NAME_LENGTH = 255
+
+
+def validate_name(name: object) -> str:
+    """Return ``name`` if it can name a lock, else raise ``ValueError`` saying why."""
+    if not isinstance(name, str):
+        raise ValueError(f"Lock name {name!r} is a {type(name).__name__}; pass a string.")
+    if not name:
+        raise ValueError("Lock name '' is empty; pass a non-empty string such as 'nightly-report'.")
+    if len(name) > MAX_NAME_LENGTH:
+        raise ValueError(
+            f"Lock name {name[:40]!r}... is {len(name)} characters long; "
+            f"the limit is {MAX_NAME_LENGTH}."
+        )
+    if "\x00" in name:
+        raise ValueError(f"Lock name {name!r} contains a NUL character; remove it.")
+    return name
+
+
+def _safety_margin(thresholds: Thresholds) -> float:
+    """How long before ``stale_after`` the holder gives up on an unconfirmed lease."""
+    return min(thresholds.heartbeat_interval, thresholds.stale_after * 0.1)
+
+
+class Lease:
+    """A granted lock: the right to run until released or lost.
+
+    Attributes: ``name``, ``token`` (the fencing token of this grant), ``holder`` (this
+    process's holder id), ``acquired_at`` (database time), ``using`` (database alias).
+    A lease is also a context manager: leaving it releases the lock, and raises
+    :class:`LockNotHeld` if the lease was lost while the block ran without error.
+    """
+
+    def __init__(
+        self,
+        lock: Lock,
+        conn: LockConnection,
+        token: int,
+        acquired_at: datetime.datetime,
+        advisory: bool,
+        sent: float,
+        thresholds: Thresholds,
+    ) -> None:
+        self.name = lock.name
+        self.token = token
+        self.holder = current().holder
+        self.acquired_at = acquired_at
+        self.using = conn.alias
+        self.heartbeat_interval = thresholds.heartbeat_interval
+        self.alert_after = thresholds.alert_after
+        self.stale_after = thresholds.stale_after
+        self.advisory = advisory
+        self._key_held = advisory  # this session holds the advisory key for the lease
+        self._lock = lock
+        self._conn = conn
+        self._key = sql.advisory_key(lock.name)[0]
+        self._generation = conn.generation
+        self._pid = os.getpid()
+        self._margin = _safety_margin(thresholds)
+        self._confirmed_at = sent
+        self._deadline = sent + thresholds.stale_after - self._margin
+        self._started = time.monotonic()
+        self._state_lock = threading.RLock()
+        self._lost_reason: str | None = None
+        self._alerting = False
+        self._guarded = False  # guard() was called: release must not wait for the row
+        self._releasing = False  # release() was called
+        self._pending = False  # the delete waits for a guarded transaction to end
+        self._release_lock = threading.Lock()
+        self._done = False  # released, or given up after loss
+        self._on_lost: list[Callable[[Lease], None]] = []
+
+    def __repr__(self) -> str:
+        state = "lost" if self._lost_reason else "released" if self._done else "held"
+        return f"<Lease {self.name!r} token={self.token} {state}>"
+
+    # -- public API -------------------------------------------------------------------
+
+    @property
+    def lost(self) -> bool:
+        """``True`` once the lease may have been lost (it never becomes ``False`` again)."""
+        if os.getpid() != self._pid:
+            return True
+        if self._lost_reason is None and not self._done and time.monotonic() > self._deadline:
+            self._mark_lost("no heartbeat was confirmed before the local deadline")
+        return self._lost_reason is not None
+
+    def check(self) -> None:
+        """Raise :class:`LockNotHeld` unless the lease is held, asking the database."""
+        self._require_held()
+        rows = self._conn.execute(sql.CHECK, {"name": self.name, "token": self.token})
+        self._check_session(self._conn)
+        if not rows[0][0]:
+            self._mark_lost("its row is gone or belongs to another holder", row_gone=True)
+        self._require_held()
+
+    def guard(self) -> None:
+        """Fence the caller's transaction: call inside ``transaction.atomic(using=...)``.
+
+        Locks the lease's row in that transaction so that no reclaim or forced release
+        can happen before it ends; raises :class:`LockNotHeld` if the lease is gone.
+        Heartbeats go on meanwhile, and releasing the lease inside the transaction does
+        not deadlock: the row is deleted as soon as the transaction ends.
+        """
+        self._require_held()
+        connection = connections[self.using]
+        if not connection.in_atomic_block:
+            raise LockError(
+                f"lease.guard() for lock {self.name!r} ran outside a transaction; call it inside "
+                f"transaction.atomic(using={self.using!r}) so the fence lasts until commit."
+            )
+        self._guarded = True
+        with connection.cursor() as cursor:
+            cursor.execute(sql.GUARD, {"name": self.name, "token": self.token})
+            row = cursor.fetchone()
+        if row is None:
+            self._mark_lost("its row is gone or belongs to another holder", row_gone=True)
+        self._require_held()
+
+    def beat(self) -> None:
+        """Heartbeat now (the heartbeat thread does this on its own every interval)."""
+        self._require_held()
+        heartbeat.beat(self._conn, [self])
+        self._check_session(self._conn)
+        self._require_held()
+
+    def release(self) -> None:
+        """Release the lock: delete its row (scoped by token) and drop the advisory key.
+
+        Safe to call more than once. In a forked child it does nothing: the lease
+        belongs to the parent.
+        """
+        if os.getpid() != self._pid:
+            return
+        with self._state_lock:
+            if self._done or self._releasing:
+                return
+            self._releasing = True
+        self._finish_release()
+        if not self._done:  # the row is locked by a guarded transaction: finish later
+            self._pending = True
+            heartbeat.registry().add(self)
+
+    def on_lost(self, callback: Callable[[Lease], None]) -> None:
+        """Call ``callback(lease)`` (from the heartbeat thread) when the lease is lost."""
+        self._on_lost.append(callback)
+        if self._lost_reason is not None:
+            callback(self)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        lost = self.lost
+        try:
+            self.release()
+        except LockError as error:
+            logger.warning("django_pglock: releasing %r failed: %s", self.name, error)
+        if lost and exc_type is None:
+            raise LockNotHeld(
+                f"Lock {self.name!r} (token {self.token}) was lost while the block ran: "
+                f"{self._lost_reason or 'it belongs to the parent process'}."
+            )
+
+    # -- internals used by the heartbeat thread ---------------------------------------
+
+    def _require_held(self) -> None:
+        if os.getpid() != self._pid:
+            raise LockNotHeld(
+                f"Lock {self.name!r} (token {self.token}) belongs to process {self._pid}; "
+                "a forked child inherits no lease. Acquire the lock in the child instead."
+            )
+        if self.lost:
+            raise LockNotHeld(
+                f"Lock {self.name!r} (token {self.token}) was lost: {self._lost_reason}."
+            )
+        if self._done or self._releasing:
+            raise LockNotHeld(f"Lock {self.name!r} (token {self.token}) was released.")
+
+    def _confirm(self, sent: float) -> None:
+        """A heartbeat sent at ``sent`` (monotonic) updated the row."""
+        with self._state_lock:
+            if sent > self._confirmed_at:
+                self._confirmed_at = sent
+                self._deadline = sent + self.stale_after - self._margin
+            self._alerting = False
+
+    def _record_latency(self, seconds: float) -> None:
+        call_metrics(self._lock._hooks(), "heartbeat_latency", seconds)
+
+    def _watch(self, now: float) -> float:
+        """Enforce the local deadline and raise alerts; return when to look again."""
+        if self._lost_reason is not None or self._done:
+            return now + 60.0
+        if now > self._deadline:
+            self._mark_lost("no heartbeat was confirmed before the local deadline")
+            return now + 60.0
+        age = now - self._confirmed_at
+        if age > self.alert_after and not self._alerting:
+            self._alerting = True
+            holder = {"holder": self.holder, "host": current().host, "pid": self._pid}
+            send(
+                signals.lock_alert,
+                self._lock,
+                name=self.name,
+                holder=holder,
+                heartbeat_age=age,
+                lease=self,
+            )
+            call_metrics(self._lock._hooks(), "alert", self.name, age)
+        next_alert = self._confirmed_at + self.alert_after if not self._alerting else self._deadline
+        return min(self._deadline, next_alert) + 0.001
+
+    def _check_session(self, conn: LockConnection) -> None:
+        """An advisory lease dies with the session that took the key."""
+        if (
+            self._key_held
+            and self._lost_reason is None
+            and not self._done
+            and (not conn.is_open() or conn.generation != self._generation)
+        ):
+            self._mark_lost("its database session ended, so a contender may take over at once")
+
+    def _mark_lost(self, reason: str, *, row_gone: bool = False) -> None:
+        with self._state_lock:
+            if self._lost_reason is not None or self._done:
+                return
+            if row_gone and self._releasing:
+                return  # the release in progress saw the row go, and settles the outcome
+            self._lost_reason = reason
+            callbacks = list(self._on_lost)
+        if not self._pending:
+            heartbeat.registry().discard(self)
+        if row_gone:
+            # Someone else owns the name now: give the advisory key back at once.
+            self._give_back_key()
+        logger.warning("django_pglock: lock %r (token %s) lost: %s", self.name, self.token, reason)
+        send(signals.lock_lost, self._lock, lease=self, reason=reason)
+        call_metrics(self._lock._hooks(), "lost", self.name)
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:
+                logger.exception("django_pglock: on_lost callback for %r raised", self.name)
+
+    def _claim_key(self) -> bool:
+        """Take the duty to unlock the advisory key; true at most once per lease."""
+        with self._state_lock:
+            held = self._key_held and self._conn.is_open()
+            held = held and self._conn.generation == self._generation
+            self._key_held = False
+            return held
+
+    def _give_back_key(self) -> None:
+        if self._claim_key():
+            # If the session is gone, the key went with it.
+            with contextlib.suppress(LockError):
+                self._conn.execute(sql.UNLOCK, {"key": self._key})
+
+    def _finish_release(self) -> None:
+        """Try the token-scoped delete; leave ``_done`` unset if a guard holds the row."""
+        with self._release_lock:
+            if not self._done:
+                self._try_delete()
+
+    def _try_delete(self) -> None:
+        unlock = self._claim_key()
+        rows = self._conn.execute(
+            sql.RELEASE_GUARDED if self._guarded else sql.RELEASE,
+            {
+                "name": self.name,
+                "token": self.token,
+                "advisory": unlock,
+                "key": self._key,
+            },
+        )
+        deleted, present, _ = rows[0]
+        if present and not deleted:
+            self._key_held = unlock  # nothing was unlocked: keep the duty for the retry
+            return  # locked by a guarded transaction; the heartbeat thread retries
+        with self._state_lock:
+            self._pending = False
+            self._done = True
+            was_lost = self._lost_reason is not None
+        heartbeat.registry().discard(self)
+        if deleted and not was_lost:
+            send(signals.lock_released, self._lock, lease=self)
+            call_metrics(
+                self._lock._hooks(), "released", self.name, time.monotonic() - self._started
+            )
+        elif not deleted and not was_lost:
+            self._lost_reason = "its row was gone at release"
+
+
+class _Waiter:
+    """The waiting policy shared by the sync and async shells."""
+
+    def __init__(self, blocking: bool, timeout: float | None, poll_interval: float) -> None:
+        if timeout is not None:
+            timeout = check_seconds("timeout", timeout, allow_zero=True)
+            if not blocking:
+                raise ValueError(
+                    f"timeout={timeout!r} was given with blocking=False; drop the timeout "
+                    "or pass blocking=True."
+                )
+        self.blocking = blocking
+        self.attempts = 0
+        self.poll_interval = poll_interval
+        self.started = time.monotonic()
+        self.deadline = None if timeout is None else self.started + timeout
+
+    def next_delay(self) -> float | None:
+        """Seconds to sleep before the next attempt, or ``None`` to give up."""
+        if not self.blocking:
+            return None
+        delay = self.poll_interval * random.uniform(0.5, 1.0)
+        if self.deadline is not None:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            delay = min(delay, remaining)
+        return delay
+
+
+class Lock:
+    """A named lock, held by at most one process at a time across all machines.
+
+    ``Lock("nightly-report")`` costs nothing until it is acquired. Arguments left as
+    ``None`` come from the ``DJANGO_PGLOCK`` setting at acquire time. Bad names and
+    thresholds raise ``ValueError`` here; an unknown or non-PostgreSQL database alias
+    raises ``ImproperlyConfigured``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        using: str | None = None,
+        heartbeat_interval: float | None = None,
+        alert_after: float | None = None,
+        stale_after: float | None = None,
+        poll_interval: float | None = None,
+        advisory: bool | None = None,
+        metrics: Any = None,
+        description: str | None = None,
+    ) -> None:
+        self.name = validate_name(name)
+        for label, value in (
+            ("heartbeat_interval", heartbeat_interval),
+            ("alert_after", alert_after),
+            ("stale_after", stale_after),
+            ("poll_interval", poll_interval),
+        ):
+            if value is not None:
+                check_seconds(label, value)
+        if advisory is not None and not isinstance(advisory, bool):
+            raise ValueError(f"advisory={advisory!r} must be True, False or None (from settings).")
+        if using is not None:
+            validate_alias(using)
+        if description is not None and not isinstance(description, str):
+            raise ValueError(f"description={description!r} must be a string.")
+        self.using = using
+        self.heartbeat_interval = heartbeat_interval
+        self.alert_after = alert_after
+        self.stale_after = stale_after
+        self.poll_interval = poll_interval
+        self.advisory = advisory
+        self.metrics = metrics
+        self.description = None if description is None else redact(description)
+        if heartbeat_interval is not None and alert_after is not None and stale_after is not None:
+            validate_thresholds(heartbeat_interval, alert_after, stale_after)
+
+    def __repr__(self) -> str:
+        return f"<Lock {self.name!r}>"
+
+    # -- configuration, resolved at acquire time so override_settings works ------------
+
+    def _alias(self) -> str:
+        return validate_alias(self.using if self.using is not None else get_setting("DATABASE"))
+
+    def _thresholds(self) -> Thresholds:
+        return validate_thresholds(
+            self.heartbeat_interval
+            if self.heartbeat_interval is not None
+            else get_setting("HEARTBEAT_INTERVAL"),
+            self.alert_after if self.alert_after is not None else get_setting("ALERT_AFTER"),
+            self.stale_after if self.stale_after is not None else get_setting("STALE_AFTER"),
+        )
+
+    def _poll_interval(self) -> float:
+        value = (
+            self.poll_interval if self.poll_interval is not None else get_setting("POLL_INTERVAL")
+        )
+        return check_seconds("poll_interval", value)
+
+    def _use_advisory(self, conn: LockConnection) -> bool:
+        wanted = self.advisory if self.advisory is not None else bool(get_setting("ADVISORY"))
+        return wanted and not conn.pooled
+
+    def _hooks(self) -> tuple[Any, ...]:
+        try:
+            configured = configured_metrics()
+        except Exception:
+            logger.exception("django_pglock: DJANGO_PGLOCK['METRICS'] could not be loaded")
+            configured = None
+        return (self.metrics, configured)
+
+    # -- acquiring -----------------------------------------------------------------------
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> _Acquisition:
+        """Context manager yielding a :class:`Lease`, or ``None`` if not acquired.
+
+        ``blocking=False`` makes one attempt; ``blocking=True`` retries every
+        ``poll_interval`` (jittered) until acquired or ``timeout`` seconds have passed
+        (``None``: no limit). Leaving the block releases the lock.
+        """
+        waiter = self._waiter(blocking, timeout)
+        return _Acquisition(self, waiter)
+
+    def try_acquire(self) -> Lease | None:
+        """One attempt: a :class:`Lease` (call ``release()`` when done), or ``None``."""
+        return self._acquire(self._waiter(False, None))
+
+    def acquire_or_raise(
+        self, timeout: float | None = None, *, blocking: bool | None = None
+    ) -> Lease:
+        """A :class:`Lease`, or :class:`LockNotAcquired` naming the current holder.
+
+        With no ``timeout`` this makes one attempt; with ``timeout`` it waits up to that
+        many seconds; ``blocking=True`` with no timeout waits as long as it takes.
+        """
+        waiter = self._waiter(timeout is not None if blocking is None else blocking, timeout)
+        lease = self._acquire(waiter)
+        if lease is None:
+            raise LockNotAcquired(
+                f"Lock {self.name!r} is held by another process; try again later."
+            )
+        return lease
+
+    def _waiter(self, blocking: bool, timeout: float | None) -> _Waiter:
+        if not isinstance(blocking, bool):
+            raise ValueError(f"blocking={blocking!r} must be True or False.")
+        return _Waiter(blocking, timeout, self._poll_interval())
+
+    def acquire_async(
+        self, blocking: bool = True, timeout: float | None = None
+    ) -> AsyncAcquisition:
+        """Async context manager: ``async with lock.acquire_async() as lease`` (or ``None``).
+
+        Same semantics as :meth:`acquire`; waiting never blocks the event loop.
+        """
+        return AsyncAcquisition(self, self._waiter(blocking, timeout))
+
+    def _acquire(self, waiter: _Waiter) -> Lease | None:
+        """The synchronous shell: attempt, sleep, attempt again."""
+        while True:
+            lease = self._attempt_once(waiter)
+            if lease is not None:
+                return lease
+            delay = waiter.next_delay()
+            if delay is None:
+                return None
+            time.sleep(delay)
+
+    def _attempt_once(self, waiter: _Waiter) -> Lease | None:
+        """One attempt on behalf of ``waiter``; signals and metrics for its outcome."""
+        lease, _ = self._attempt(first=waiter.attempts == 0)
+        waiter.attempts += 1
+        if lease is not None:
+            send(signals.lock_acquired, self, lease=lease)
+            call_metrics(self._hooks(), "acquired", self.name, time.monotonic() - waiter.started)
+        return lease
+
+    def _attempt(self, *, first: bool = True) -> tuple[Lease | None, dict[str, Any] | None]:
+        """One acquire statement: ``(lease, previous holder)`` or ``(None, current holder)``."""
+        alias = self._alias()
+        thresholds = self._thresholds()
+        conn = get_connection(alias)
+        identity = current()
+        key, key_hi, key_lo = sql.advisory_key(self.name)
+        use_advisory = self._use_advisory(conn)
+        sent = time.monotonic()
+        rows = conn.execute(
+            sql.ACQUIRE,
+            {
+                "name": self.name,
+                "holder": identity.holder,
+                "host": identity.host,
+                "pid": identity.pid,
+                "description": self.description
+                if self.description is not None
+                else default_description(),
+                "heartbeat_interval": thresholds.heartbeat_interval,
+                "alert_after": thresholds.alert_after,
+                "stale_after": thresholds.stale_after,
+                "advisory": use_advisory,
+                "key": key,
+                "key_hi": key_hi,
+                "key_lo": key_lo,
+            },
+        )
+        (
+            token,
+            acquired_at,
+            advisory,
+            backend_pid,
+            prev_token,
+            prev_holder,
+            prev_host,
+            prev_pid,
+            prev_acquired_at,
+            prev_description,
+            prev_age,
+            prev_alert_after,
+            _prev_stale_after,
+            prev_stale,
+            _unlocked,
+        ) = rows[0]
+        previous = None
+        if prev_token is not None:
+            previous = {
+                "token": prev_token,
+                "holder": prev_holder,
+                "host": prev_host,
+                "pid": prev_pid,
+                "acquired_at": prev_acquired_at,
+                "description": prev_description,
+                "heartbeat_age": prev_age,
+            }
+        if token is None:
+            if first:
+                send(signals.lock_contended, self, name=self.name, holder=previous)
+                call_metrics(self._hooks(), "contended", self.name)
+            if previous is not None and prev_age > prev_alert_after:
+                send(
+                    signals.lock_alert,
+                    self,
+                    name=self.name,
+                    holder=previous,
+                    heartbeat_age=prev_age,
+                    lease=None,
+                )
+                call_metrics(self._hooks(), "alert", self.name, prev_age)
+            return None, previous
+        lease = Lease(self, conn, token, acquired_at, bool(advisory), sent, thresholds)
+        conn.note_backend_pid(int(backend_pid))
+        if lease.advisory and conn.pooled:
+            conn.execute(sql.DISABLE_ADVISORY, {"tokens": [token]})
+            lease._give_back_key()
+        if previous is not None:
+            reason = "stale" if prev_stale else "abandoned"
+            send(signals.lock_reclaimed, self, lease=lease, previous=previous, reason=reason)
+            call_metrics(self._hooks(), "stale_reclaimed", self.name)
+        heartbeat.registry().add(lease)
+        return lease, previous
+
+
+class _Acquisition(AbstractContextManager["Lease | None"]):
+    """What ``Lock.acquire()`` returns: acquires on enter, releases on exit."""
+
+    def __init__(self, lock: Lock, waiter: _Waiter) -> None:
+        self._lock = lock
+        self._waiter = waiter
+        self.lease: Lease | None = None
+
+    def __enter__(self) -> Lease | None:
+        self.lease = self._lock._acquire(self._waiter)
+        return self.lease
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.lease is not None:
+            self.lease.__exit__(exc_type, exc, tb)

@@ -1,0 +1,42 @@
+"""The lock table: one row per held lock name."""
+
+from __future__ import annotations
+
+from django.db import models
+
+__all__ = ["JobLock"]
+
+
+class JobLock(models.Model):
+    """A held lock. The row is the source of truth; its absence means the lock is free.
+
+    Rows are written only by the lock engine's statements (see :mod:`django_pglock.sql`);
+    treat this model as read-only. Staleness is judged by the database clock against the
+    thresholds the holder declared on its own row.
+    """
+
+    name = models.CharField(max_length=255, primary_key=True)
+    token = models.BigIntegerField(help_text="Fencing token: strictly increasing per grant.")
+    holder = models.CharField(max_length=255, help_text="Identifier of the holding process.")
+    host = models.CharField(max_length=255)
+    pid = models.IntegerField(help_text="Process id of the holder on its host.")
+    backend_pid = models.IntegerField(help_text="Server process id of the holder's session.")
+    description = models.TextField(blank=True, help_text="What runs under the lock.")
+    acquired_at = models.DateTimeField()
+    last_heartbeat = models.DateTimeField()
+    heartbeat_interval = models.FloatField(help_text="Seconds between the holder's heartbeats.")
+    alert_after = models.FloatField(help_text="Seconds without heartbeat before alert.")
+    stale_after = models.FloatField(help_text="Seconds without heartbeat before reclaim.")
+    advisory = models.BooleanField(
+        help_text="The holder also holds a session advisory lock (crash-fast takeover)."
+    )
+
+    class Meta:
+        db_table = "django_pglock_joblock"
+        verbose_name = "job lock"
+        verbose_name_plural = "job locks"
+        ordering = ["-acquired_at"]
+        permissions = [("force_release_joblock", "Can force-release job locks")]
+
+    def __str__(self) -> str:
+        return f"{self.name} (token {self.token}, held by {self.holder})"

@@ -1,0 +1,80 @@
+"""Operator actions shared by the admin and the management commands.
+
+Both run on Django's own connection for the alias (not the dedicated lock connection),
+so a forced release that waits for a guarded transaction never stalls this process's
+heartbeats.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from typing import Any
+
+from django.db import connections
+
+from . import signals, sql
+from .conf import get_setting
+from .connection import validate_alias
+from .events import send
+from .lock import validate_name
+
+__all__ = ["LockStatus", "force_release", "lock_status"]
+
+
+@dataclass(frozen=True)
+class LockStatus:
+    """One held lock as the database sees it now."""
+
+    name: str
+    token: int
+    holder: str
+    host: str
+    pid: int
+    acquired_at: datetime.datetime
+    last_heartbeat: datetime.datetime
+    heartbeat_age: float
+    heartbeat_interval: float
+    alert_after: float
+    stale_after: float
+    advisory: bool
+    description: str
+    state: str  # "ok", "alert" or "stale"
+
+    def as_dict(self) -> dict[str, Any]:
+        data = dict(self.__dict__)
+        data["acquired_at"] = self.acquired_at.isoformat()
+        data["last_heartbeat"] = self.last_heartbeat.isoformat()
+        return data
+
+
+def lock_status(using: str | None = None) -> list[LockStatus]:
+    """Every held lock with its heartbeat age and state, judged by the database clock."""
+    alias = validate_alias(using if using is not None else get_setting("DATABASE"))
+    with connections[alias].cursor() as cursor:
+        cursor.execute(sql.STATUS)
+        return [LockStatus(*row) for row in cursor.fetchall()]
+
+
+def force_release(
+    name: str, token: int | None = None, using: str | None = None
+) -> dict[str, Any] | None:
+    """Delete the row of ``name`` (only if it carries ``token``, when given).
+
+    Returns the released holder (name, token, holder, host, pid, acquired_at), or
+    ``None`` when nothing matched. Waits for a guarded transaction on that row to end.
+    The old holder's next heartbeat, ``check()`` and ``guard()`` fail.
+    """
+    validate_name(name)
+    if token is not None and (isinstance(token, bool) or not isinstance(token, int) or token < 1):
+        raise ValueError(f"token={token!r} is not a fencing token; pass a positive integer.")
+    alias = validate_alias(using if using is not None else get_setting("DATABASE"))
+    with connections[alias].cursor() as cursor:
+        cursor.execute(sql.FORCE_RELEASE, {"name": name, "token": token})
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    fields = ("name", "token", "holder", "host", "pid", "acquired_at")
+    released = dict(zip(fields, row, strict=True))
+    send(signals.lock_force_released, None, name=name, token=released["token"], holder=released)
+    return released

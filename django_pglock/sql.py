@@ -1,0 +1,199 @@
+"""Every statement the lock engine sends, named and parameterised.
+
+All statements run on the dedicated autocommit connection (see :mod:`.connection`),
+except :data:`GUARD`, which runs inside the caller's own transaction. Time is always
+the database's ``now()``; values are always parameters. Row locks are chosen so that
+a guard (``FOR KEY SHARE``) lets heartbeats (``FOR NO KEY UPDATE``) through while it
+holds off reclaims (``FOR UPDATE``) and deletes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+__all__ = [
+    "ACQUIRE",
+    "CHECK",
+    "DISABLE_ADVISORY",
+    "FORCE_RELEASE",
+    "GUARD",
+    "HEARTBEAT",
+    "RELEASE",
+    "RELEASE_GUARDED",
+    "SESSION_SETUP",
+    "STATUS",
+    "UNLOCK",
+    "advisory_key",
+]
+
+TABLE = "django_pglock_joblock"
+SEQUENCE = "django_pglock_token_seq"
+
+
+def quote_name(name: str) -> str:
+    """Quote an identifier the way Django's PostgreSQL backend does."""
+    return name if name.startswith('"') and name.endswith('"') else f'"{name}"'
+
+
+def advisory_key(name: str) -> tuple[int, int, int]:
+    """The advisory-lock key of a lock name: ``(bigint key, pg_locks classid, objid)``.
+
+    A collision between two names only means a contender waits for ``stale_after``
+    instead of taking over at once: liveness is judged per holder session, so a key held
+    by some other session never makes a live holder look dead.
+    """
+    digest = hashlib.blake2b(name.encode(), digest_size=8, person=b"django_pglock").digest()
+    unsigned = int.from_bytes(digest, "big")
+    signed = unsigned - (1 << 64) if unsigned >= 1 << 63 else unsigned
+    return signed, unsigned >> 32, unsigned & 0xFFFFFFFF
+
+
+_T = quote_name(TABLE)
+
+# Reclaimable: no heartbeat for the row's own stale_after by the database clock, or the
+# holder declared the advisory path and its session no longer holds the key.
+_RECLAIMABLE = """(
+    now() - {j}.last_heartbeat > {j}.stale_after * interval '1 second'
+    OR ({j}.advisory AND NOT EXISTS (
+        SELECT 1 FROM pg_catalog.pg_locks l
+        WHERE l.locktype = 'advisory' AND l.pid = {j}.backend_pid AND l.granted
+          AND l.classid = %(key_hi)s::bigint::oid AND l.objid = %(key_lo)s::bigint::oid
+          AND l.objsubid = 1))
+)"""
+
+# Acquire in one statement. `cur` reads the current row from the snapshot (no lock);
+# `grab` locks it FOR UPDATE SKIP LOCKED only when it is reclaimable (a guarded row is
+# skipped, never waited for); `prop` proposes a row, taking the advisory key first, only
+# when the name is free or grabbed; the INSERT .. ON CONFLICT .. DO UPDATE .. WHERE is
+# the atomic decision, re-checked on the latest row version. A refused proposal gives
+# the advisory key back in the same statement, so every outcome is one round trip.
+ACQUIRE = f"""
+WITH cur AS (
+    SELECT c.token, c.holder, c.host, c.pid, c.acquired_at, c.description,
+           extract(epoch FROM now() - c.last_heartbeat)::float8 AS age,
+           c.alert_after, c.stale_after
+    FROM {_T} c WHERE c.name = %(name)s
+), grab AS MATERIALIZED (
+    SELECT now() - g.last_heartbeat > g.stale_after * interval '1 second' AS stale
+    FROM {_T} g WHERE g.name = %(name)s AND {_RECLAIMABLE.format(j="g")}
+    FOR UPDATE SKIP LOCKED
+), prop AS MATERIALIZED (
+    SELECT CASE WHEN %(advisory)s THEN pg_try_advisory_lock(%(key)s) ELSE false END AS adv
+    WHERE NOT EXISTS (SELECT 1 FROM cur) OR EXISTS (SELECT 1 FROM grab)
+), ins AS (
+    INSERT INTO {_T} AS j (
+        name, token, holder, host, pid, backend_pid, description, acquired_at,
+        last_heartbeat, heartbeat_interval, alert_after, stale_after, advisory)
+    SELECT %(name)s, nextval('{SEQUENCE}'), %(holder)s, %(host)s, %(pid)s, pg_backend_pid(),
+           %(description)s, now(), now(), %(heartbeat_interval)s, %(alert_after)s,
+           %(stale_after)s, prop.adv
+    FROM prop
+    ON CONFLICT (name) DO UPDATE SET
+        token = EXCLUDED.token, holder = EXCLUDED.holder, host = EXCLUDED.host,
+        pid = EXCLUDED.pid, backend_pid = EXCLUDED.backend_pid,
+        description = EXCLUDED.description, acquired_at = EXCLUDED.acquired_at,
+        last_heartbeat = EXCLUDED.last_heartbeat,
+        heartbeat_interval = EXCLUDED.heartbeat_interval,
+        alert_after = EXCLUDED.alert_after, stale_after = EXCLUDED.stale_after,
+        advisory = EXCLUDED.advisory
+    WHERE EXISTS (SELECT 1 FROM grab) AND {_RECLAIMABLE.format(j="j")}
+    RETURNING j.token, j.acquired_at, j.advisory, j.backend_pid
+)
+SELECT ins.token, ins.acquired_at, ins.advisory, ins.backend_pid,
+       cur.token, cur.holder, cur.host, cur.pid, cur.acquired_at, cur.description,
+       cur.age, cur.alert_after, cur.stale_after, grab.stale,
+       CASE WHEN ins.token IS NULL AND prop.adv THEN pg_advisory_unlock(%(key)s) END
+FROM (SELECT 1) AS one
+LEFT JOIN prop ON true LEFT JOIN ins ON true LEFT JOIN cur ON true LEFT JOIN grab ON true
+"""
+
+# Heartbeat every lease of this process on one alias in one statement, scoped by
+# (name, token). Rows locked by someone else right now (a reclaim or delete in flight)
+# are skipped, not waited for; the caller tells them apart from vanished rows by
+# `present`, which reads the snapshot taken before the update.
+HEARTBEAT = f"""
+WITH mine AS (
+    SELECT m.name, m.token FROM unnest(%(names)s::varchar[], %(tokens)s::bigint[]) AS m(name, token)
+), locked AS (
+    SELECT h.name FROM {_T} h JOIN mine ON h.name = mine.name AND h.token = mine.token
+    FOR NO KEY UPDATE OF h SKIP LOCKED
+), beat AS (
+    UPDATE {_T} AS j SET last_heartbeat = now()
+    FROM locked WHERE j.name = locked.name
+    RETURNING j.token
+)
+SELECT mine.token, beat.token IS NOT NULL AS beaten, s.token IS NOT NULL AS present,
+       pg_backend_pid()
+FROM mine
+LEFT JOIN beat ON beat.token = mine.token
+LEFT JOIN {_T} s ON s.name = mine.name AND s.token = mine.token
+"""
+
+# Release a lease that was never guarded: delete our row (scoped by token) and give the
+# advisory key back, in one statement. Nothing can hold the row for long but a guard.
+RELEASE = f"""
+WITH del AS (
+    DELETE FROM {_T} WHERE name = %(name)s AND token = %(token)s RETURNING token
+)
+SELECT EXISTS (SELECT 1 FROM del) AS deleted, false AS present,
+       CASE WHEN %(advisory)s THEN pg_advisory_unlock(%(key)s) END
+"""
+
+# Release a lease that was guarded: as RELEASE, unless a guarded transaction still holds
+# the row: then nothing changes and `present` says to retry once it has ended.
+RELEASE_GUARDED = f"""
+WITH target AS MATERIALIZED (
+    SELECT t.name FROM {_T} t WHERE t.name = %(name)s AND t.token = %(token)s
+    FOR UPDATE SKIP LOCKED
+), del AS (
+    DELETE FROM {_T} AS j USING target WHERE j.name = target.name AND j.token = %(token)s
+    RETURNING j.token
+), still AS (
+    SELECT 1 FROM {_T} s WHERE s.name = %(name)s AND s.token = %(token)s
+)
+SELECT EXISTS (SELECT 1 FROM del) AS deleted, EXISTS (SELECT 1 FROM still) AS present,
+       CASE WHEN %(advisory)s AND (EXISTS (SELECT 1 FROM del) OR NOT EXISTS (SELECT 1 FROM still))
+            THEN pg_advisory_unlock(%(key)s) END
+"""
+
+# Behind a transaction-mode pooler: stop declaring the advisory path on our rows, so
+# that no contender judges them by a session that is not really ours.
+DISABLE_ADVISORY = f"UPDATE {_T} SET advisory = false WHERE token = ANY(%(tokens)s::bigint[])"
+
+# Is the row still ours? A plain snapshot read.
+CHECK = f"SELECT EXISTS (SELECT 1 FROM {_T} WHERE name = %(name)s AND token = %(token)s)"
+
+# Run in the caller's transaction: KEY SHARE blocks reclaims (FOR UPDATE) and deletes
+# until that transaction ends, and does not block the holder's heartbeats.
+GUARD = f"SELECT token FROM {_T} WHERE name = %(name)s AND token = %(token)s FOR KEY SHARE"
+
+# Give back one hold of an advisory key after learning a lease is lost.
+UNLOCK = "SELECT pg_advisory_unlock(%(key)s)"
+
+# Forced release: delete the row, optionally only if it still carries the given token.
+# Waits for any guarded transaction, so fenced writes commit before the row goes.
+FORCE_RELEASE = f"""
+DELETE FROM {_T}
+WHERE name = %(name)s AND (%(token)s::bigint IS NULL OR token = %(token)s::bigint)
+RETURNING name, token, holder, host, pid, acquired_at
+"""
+
+# Status of every lock, judged by the database clock against each row's thresholds.
+STATUS = f"""
+SELECT name, token, holder, host, pid, acquired_at, last_heartbeat,
+       extract(epoch FROM now() - last_heartbeat)::float8 AS heartbeat_age,
+       heartbeat_interval, alert_after, stale_after, advisory, description,
+       CASE WHEN now() - last_heartbeat > stale_after * interval '1 second' THEN 'stale'
+            WHEN now() - last_heartbeat > alert_after * interval '1 second' THEN 'alert'
+            ELSE 'ok' END AS state
+FROM {_T}
+ORDER BY acquired_at DESC, name
+"""
+
+# Once per new dedicated connection: bound every statement and every lock wait, so the
+# connection that carries all heartbeats is never stuck behind someone else's lock.
+SESSION_SETUP = """
+SELECT set_config('statement_timeout', %(statement_timeout)s, false),
+       set_config('lock_timeout', %(lock_timeout)s, false),
+       pg_backend_pid()
+"""
