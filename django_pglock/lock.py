@@ -191,6 +191,8 @@ class Lease:
             self.release()
         except LockError as error:
             logger.warning("django_pglock: releasing %r failed: %s", self.name, error)
+        # A row found gone at release was lost while the block ran, too.
+        lost = lost or self._lost_reason is not None
         if lost and exc_type is None:
             raise LockNotHeld(
                 f"Lock {self.name!r} (token {self.token}) was lost while the block ran: "
@@ -313,6 +315,8 @@ class Lease:
         if present and not deleted:
             self._key_held = unlock  # nothing was unlocked: keep the duty for the retry
             return  # locked by a guarded transaction; the heartbeat thread retries
+        if not deleted:
+            self._mark_lost("its row was gone at release")
         with self._state_lock:
             self._pending = False
             self._done = True
@@ -323,8 +327,6 @@ class Lease:
             call_metrics(
                 self._lock._hooks(), "released", self.name, time.monotonic() - self._started
             )
-        elif not deleted and not was_lost:
-            self._lost_reason = "its row was gone at release"
 
 
 class _Waiter:
