@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .decorators import singleton_job
 from .exceptions import LockError, LockNotAcquired, LockNotHeld
 from .lock import Lease, Lock
 
@@ -11,4 +12,5 @@ __all__ = [
     "LockError",
     "LockNotAcquired",
     "LockNotHeld",
+    "singleton_job",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .lock import Lease, Lock, _Waiter
@@ -23,6 +23,11 @@ class AsyncAcquisition:
         self._lock = lock
         self._waiter = waiter
         self.lease: Lease | None = None
+
+    @property
+    def holder(self) -> dict[str, Any] | None:
+        """The current holder as seen when the lock was refused (``None`` if unknown)."""
+        return self._waiter.holder
 
     async def __aenter__(self) -> Lease | None:
         waiter = self._waiter

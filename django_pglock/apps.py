@@ -10,3 +10,11 @@ class SingletonJobsConfig(AppConfig):
     label = "django_pglock"
     verbose_name = "Singleton jobs"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        from django.core import checks as django_checks
+
+        from . import checks
+
+        django_checks.register(checks.check_settings)
+        django_checks.register(checks.check_database, django_checks.Tags.database)

@@ -342,6 +342,7 @@ class _Waiter:
                 )
         self.blocking = blocking
         self.attempts = 0
+        self.holder: dict[str, Any] | None = None  # the holder seen by the last attempt
         self.poll_interval = poll_interval
         self.started = time.monotonic()
         self.deadline = None if timeout is None else self.started + timeout
@@ -501,7 +502,7 @@ class Lock:
 
     def _attempt_once(self, waiter: _Waiter) -> Lease | None:
         """One attempt on behalf of ``waiter``; signals and metrics for its outcome."""
-        lease, _ = self._attempt(first=waiter.attempts == 0)
+        lease, waiter.holder = self._attempt(first=waiter.attempts == 0)
         waiter.attempts += 1
         if lease is not None:
             send(signals.lock_acquired, self, lease=lease)
@@ -599,6 +600,11 @@ class _Acquisition(AbstractContextManager["Lease | None"]):
         self._lock = lock
         self._waiter = waiter
         self.lease: Lease | None = None
+
+    @property
+    def holder(self) -> dict[str, Any] | None:
+        """The current holder as seen when the lock was refused (``None`` if unknown)."""
+        return self._waiter.holder
 
     def __enter__(self) -> Lease | None:
         self.lease = self._lock._acquire(self._waiter)

@@ -40,3 +40,27 @@ class JobLock(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} (token {self.token}, held by {self.holder})"
+
+
+class ScheduleClaim(models.Model):
+    """The start of one schedule slot of a job: at most one per (name, slot).
+
+    Written by ``locked_run --schedule`` and ``@singleton_job(schedule=...)``, so that a
+    cron tick fired on several hosts starts the job once, even when a run ends early or
+    the hosts' clocks disagree (the slot is computed from the database clock).
+    """
+
+    name = models.CharField(max_length=255)
+    slot = models.DateTimeField(help_text="Start of the schedule slot (database clock).")
+    holder = models.CharField(max_length=255)
+    claimed_at = models.DateTimeField()
+
+    class Meta:
+        db_table = "django_pglock_scheduleclaim"
+        verbose_name = "schedule claim"
+        constraints = [
+            models.UniqueConstraint(fields=["name", "slot"], name="django_pglock_claim_name_slot")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} @ {self.slot.isoformat()}"

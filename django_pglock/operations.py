@@ -16,7 +16,7 @@ from django.db import connections
 from . import signals, sql
 from .conf import get_setting
 from .connection import validate_alias
-from .events import send
+from .events import call_metrics, configured_metrics, send
 from .lock import validate_name
 
 __all__ = ["LockStatus", "force_release", "lock_status"]
@@ -53,7 +53,21 @@ def lock_status(using: str | None = None) -> list[LockStatus]:
     alias = validate_alias(using if using is not None else get_setting("DATABASE"))
     with connections[alias].cursor() as cursor:
         cursor.execute(sql.STATUS)
-        return [LockStatus(*row) for row in cursor.fetchall()]
+        rows = [LockStatus(*row) for row in cursor.fetchall()]
+    hooks = (configured_metrics(),)
+    for row in rows:
+        if row.state != "ok":  # whoever meets a lock in alert raises the alert
+            holder = {"holder": row.holder, "host": row.host, "pid": row.pid, "token": row.token}
+            send(
+                signals.lock_alert,
+                None,
+                name=row.name,
+                holder=holder,
+                heartbeat_age=row.heartbeat_age,
+                lease=None,
+            )
+            call_metrics(hooks, "alert", row.name, row.heartbeat_age)
+    return rows
 
 
 def force_release(

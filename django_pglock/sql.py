@@ -14,10 +14,12 @@ import hashlib
 __all__ = [
     "ACQUIRE",
     "CHECK",
+    "CLAIM_SLOT",
     "DISABLE_ADVISORY",
     "FORCE_RELEASE",
     "GUARD",
     "HEARTBEAT",
+    "NOW",
     "RELEASE",
     "RELEASE_GUARDED",
     "SESSION_SETUP",
@@ -197,3 +199,19 @@ SELECT set_config('statement_timeout', %(statement_timeout)s, false),
        set_config('lock_timeout', %(lock_timeout)s, false),
        pg_backend_pid()
 """
+
+# Claim one schedule slot: the first host to insert (name, slot) starts the job; the
+# unique constraint decides. Claims of that job older than a week are pruned on the way.
+CLAIM_SLOT = f"""
+WITH pruned AS (
+    DELETE FROM {quote_name("django_pglock_scheduleclaim")}
+    WHERE name = %(name)s AND slot < %(slot)s - interval '7 days'
+)
+INSERT INTO {quote_name("django_pglock_scheduleclaim")} (name, slot, holder, claimed_at)
+VALUES (%(name)s, %(slot)s, %(holder)s, now())
+ON CONFLICT (name, slot) DO NOTHING
+RETURNING id
+"""
+
+# The database clock, for computing schedule slots.
+NOW = "SELECT now()"

@@ -1,0 +1,162 @@
+"""System checks for the ``DJANGO_PGLOCK`` setting, with stable ids."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from django.conf import settings
+from django.core.checks import CheckMessage, Error, Warning
+from django.db import connections
+from django.utils.module_loading import import_string
+
+from .conf import DEFAULTS, SETTING_NAME
+
+__all__ = ["check_database", "check_settings"]
+
+SECONDS_KEYS = ("HEARTBEAT_INTERVAL", "ALERT_AFTER", "STALE_AFTER", "POLL_INTERVAL")
+POOLER_PORTS = {"6432"}  # PgBouncer's default port
+
+
+def _is_seconds(value: object) -> bool:
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
+    """Types, ranges and order of the ``DJANGO_PGLOCK`` values."""
+    configured = getattr(settings, SETTING_NAME, {})
+    if configured is None:
+        configured = {}
+    if not isinstance(configured, dict):
+        return [
+            Error(
+                f"{SETTING_NAME} is a {type(configured).__name__}, not a dict.",
+                hint=f"Set {SETTING_NAME} = {{'STALE_AFTER': 600.0, ...}} or remove it.",
+                id="django_pglock.E001",
+            )
+        ]
+    errors: list[CheckMessage] = []
+    for key in sorted(set(configured) - set(DEFAULTS)):
+        errors.append(
+            Error(
+                f"{SETTING_NAME} has an unknown key {key!r}.",
+                hint=f"Valid keys: {', '.join(sorted(DEFAULTS))}.",
+                id="django_pglock.E002",
+            )
+        )
+    values = {**DEFAULTS, **configured}
+    bad_seconds = [key for key in SECONDS_KEYS if not _is_seconds(values[key])]
+    for key in bad_seconds:
+        errors.append(
+            Error(
+                f"{SETTING_NAME}[{key!r}] = {values[key]!r} is not a positive number of seconds.",
+                hint="Use a float such as 10.0.",
+                id="django_pglock.E003",
+            )
+        )
+    ordered = ("HEARTBEAT_INTERVAL", "ALERT_AFTER", "STALE_AFTER")
+    if not set(ordered) & set(bad_seconds):
+        hb, alert, stale = (values[key] for key in ordered)
+        if not hb < alert < stale:
+            errors.append(
+                Error(
+                    f"{SETTING_NAME} thresholds are out of order: HEARTBEAT_INTERVAL={hb!r}, "
+                    f"ALERT_AFTER={alert!r}, STALE_AFTER={stale!r}.",
+                    hint="They must satisfy HEARTBEAT_INTERVAL < ALERT_AFTER < STALE_AFTER.",
+                    id="django_pglock.E004",
+                )
+            )
+    if not isinstance(values["ADVISORY"], bool):
+        errors.append(
+            Error(
+                f"{SETTING_NAME}['ADVISORY'] = {values['ADVISORY']!r} is not a bool.",
+                hint="Use True (crash-fast takeover) or False (behind a transaction pooler).",
+                id="django_pglock.E005",
+            )
+        )
+    alias = values["DATABASE"]
+    if not isinstance(alias, str) or alias not in settings.DATABASES:
+        errors.append(
+            Error(
+                f"{SETTING_NAME}['DATABASE'] = {alias!r} is not in settings.DATABASES.",
+                hint=f"Use one of: {', '.join(map(repr, settings.DATABASES))}.",
+                id="django_pglock.E006",
+            )
+        )
+    else:
+        engine = settings.DATABASES[alias].get("ENGINE", "")
+        if not str(engine).startswith("django.db.backends.postgresql"):
+            errors.append(
+                Error(
+                    f"Database alias {alias!r} uses {engine!r}; django_pglock needs PostgreSQL.",
+                    hint="Point DJANGO_PGLOCK['DATABASE'] at a PostgreSQL alias.",
+                    id="django_pglock.E007",
+                )
+            )
+        elif values["ADVISORY"] is True and _looks_pooled(settings.DATABASES[alias]):
+            errors.append(
+                Warning(
+                    f"Database alias {alias!r} looks like it goes through a transaction-mode "
+                    "pooler, where session advisory locks are unsafe.",
+                    hint="Set DJANGO_PGLOCK['ADVISORY'] = False (the table path alone still "
+                    "excludes), or give the lock alias a direct or session-mode connection.",
+                    id="django_pglock.W001",
+                )
+            )
+    metrics = values["METRICS"]
+    if metrics is not None:
+        try:
+            if not isinstance(metrics, str):
+                raise TypeError
+            import_string(metrics)
+        except (ImportError, TypeError):
+            errors.append(
+                Error(
+                    f"{SETTING_NAME}['METRICS'] = {metrics!r} cannot be imported.",
+                    hint="Use the dotted path of a class, such as 'myproject.metrics.LockMetrics'.",
+                    id="django_pglock.E008",
+                )
+            )
+    return errors
+
+
+def _looks_pooled(database: dict[str, Any]) -> bool:
+    # Django's advice for transaction pooling is DISABLE_SERVER_SIDE_CURSORS; PgBouncer
+    # listens on 6432 by default.
+    return (
+        bool(database.get("DISABLE_SERVER_SIDE_CURSORS"))
+        or str(database.get("PORT", "")) in POOLER_PORTS
+    )
+
+
+def check_database(
+    app_configs: Sequence[Any] | None = None,
+    databases: Iterable[str] | None = None,
+    **kwargs: Any,
+) -> list[CheckMessage]:
+    """With ``--database``: the lock table exists on the configured alias."""
+    if not databases:
+        return []
+    alias = getattr(settings, SETTING_NAME, {}).get("DATABASE", DEFAULTS["DATABASE"])
+    if alias not in databases or alias not in settings.DATABASES:
+        return []
+    connection = connections[alias]
+    if connection.vendor != "postgresql":
+        return []
+    with connection.cursor() as cursor:
+        tables = connection.introspection.table_names(cursor)
+    if "django_pglock_joblock" not in tables:
+        return [
+            Error(
+                f"The lock table is missing on database alias {alias!r}.",
+                hint=f"Run 'manage.py migrate django_pglock --database {alias}'.",
+                id="django_pglock.E009",
+            )
+        ]
+    return []

@@ -1,0 +1,196 @@
+"""``@singleton_job``: run a function, a management command or a coroutine on one machine."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+from .lock import Lock, validate_name
+from .schedule import ScheduleSlot
+
+__all__ = ["singleton_job"]
+
+logger = logging.getLogger("django_pglock")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_COMMANDS_PACKAGE = ".management.commands."
+
+
+def _default_name(func: Callable[..., Any]) -> str:
+    module = getattr(func, "__module__", "") or ""
+    if _COMMANDS_PACKAGE in f".{module}." and func.__qualname__.endswith(".handle"):
+        return module.rsplit(".", 1)[-1]  # a management command: its command name
+    return f"{module}.{func.__qualname__}"
+
+
+def _describe(holder: dict[str, Any] | None) -> str:
+    if not holder:
+        return "another process"
+    return f"{holder['holder']} (token {holder['token']}, running {holder['description']!r})"
+
+
+class _SingletonJob:
+    """The configured decorator; see :func:`singleton_job`."""
+
+    def __init__(
+        self,
+        name: str | None,
+        key: Callable[..., str] | None,
+        blocking: bool,
+        timeout: float | None,
+        schedule: str | None,
+        lock_options: dict[str, Any],
+    ) -> None:
+        if name is not None:
+            validate_name(name)
+        if name is not None and key is not None:
+            raise ValueError(
+                f"singleton_job got both a name ({name!r}) and key=; pass one: the name for one "
+                "lock, or key= to compute a lock name from each call's arguments."
+            )
+        if key is not None and not callable(key):
+            raise ValueError(f"key={key!r} is not callable; pass a function returning a lock name.")
+        if not isinstance(blocking, bool):
+            raise ValueError(f"blocking={blocking!r} must be True or False.")
+        if timeout is not None and not blocking:
+            raise ValueError(
+                f"timeout={timeout!r} was given with blocking=False; drop the timeout or pass "
+                "blocking=True."
+            )
+        # Validate thresholds and alias now, so a bad decorator fails at import time.
+        Lock(name or "validation", **lock_options)
+        if timeout is not None:
+            Lock(name or "validation")._waiter(True, timeout)
+        if schedule is not None:
+            ScheduleSlot(schedule, name or "validation", using=lock_options.get("using"))
+        self.schedule = schedule
+        self.name = name
+        self.key = key
+        self.blocking = blocking
+        self.timeout = timeout
+        self.lock_options = lock_options
+
+    def __call__(self, func: F) -> F:
+        if not callable(func):
+            raise ValueError(f"singleton_job can only decorate a callable, not {func!r}.")
+        if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
+            raise ValueError(
+                f"singleton_job cannot wrap the generator function {func.__qualname__!r}: the "
+                "lock would be released before its body runs. Wrap a function that consumes it."
+            )
+        default = self.name or _default_name(func)
+        is_command = func.__qualname__.endswith(".handle") and self.name is None
+
+        def lock_for(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Lock:
+            if self.key is not None:
+                lock_name = self.key(*args, **kwargs)
+            elif is_command and args and _is_command(args[0]):
+                lock_name = type(args[0]).__module__.rsplit(".", 1)[-1]
+            else:
+                lock_name = default
+            return Lock(lock_name, **self.lock_options)
+
+        def report(args: tuple[Any, ...], why: str) -> None:
+            if args and _is_command(args[0]):
+                # One line on stderr; the command still exits 0.
+                command = type(args[0]).__module__.rsplit(".", 1)[-1]
+                args[0].stderr.write(f"Skipped {command}: {why}.")
+                logger.debug("django_pglock: skipped %s: %s", command, why)
+            else:
+                logger.info("django_pglock: skipped %s: %s.", func.__qualname__, why)
+
+        def skipped(lock: Lock, args: tuple[Any, ...], holder: dict[str, Any] | None) -> None:
+            report(args, f"lock {lock.name!r} is held by {_describe(holder)}")
+
+        def first_in_slot(lock: Lock, args: tuple[Any, ...]) -> bool:
+            if self.schedule is None:
+                return True
+            slot = ScheduleSlot(self.schedule, lock.name, using=lock.using)
+            if slot.claim():
+                return True
+            report(args, f"schedule slot {slot.slot_label} of {lock.name!r} already started")
+            return False
+
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                lock = lock_for(args, kwargs)
+                acquisition = lock.acquire_async(self.blocking, self.timeout)
+                async with acquisition as lease:
+                    if lease is None:
+                        skipped(lock, args, acquisition.holder)
+                        return None
+                    if not await asyncio.to_thread(first_in_slot, lock, args):
+                        return None
+                    return await func(*args, **kwargs)
+
+            return async_wrapper  # type: ignore[return-value]
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            lock = lock_for(args, kwargs)
+            acquisition = lock.acquire(self.blocking, self.timeout)
+            with acquisition as lease:
+                if lease is None:
+                    skipped(lock, args, acquisition.holder)
+                    return None
+                if not first_in_slot(lock, args):
+                    return None
+                return func(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+
+def _is_command(obj: object) -> bool:
+    from django.core.management.base import BaseCommand
+
+    return isinstance(obj, BaseCommand)
+
+
+@overload
+def singleton_job(name: F) -> F: ...
+
+
+@overload
+def singleton_job(
+    name: str | None = None,
+    *,
+    key: Callable[..., str] | None = None,
+    blocking: bool = False,
+    timeout: float | None = None,
+    schedule: str | None = None,
+    **lock_options: Any,
+) -> Callable[[F], F]: ...
+
+
+def singleton_job(
+    name: Any = None,
+    *,
+    key: Callable[..., str] | None = None,
+    blocking: bool = False,
+    timeout: float | None = None,
+    schedule: str | None = None,
+    **lock_options: Any,
+) -> Any:
+    """Run the decorated function on at most one machine at a time.
+
+    ``@singleton_job`` names the lock after the function (``module.qualname``); on a
+    management command's ``handle`` it is the command's name. ``@singleton_job("name")``
+    names it; ``key=`` computes the name from each call's arguments. By default a call
+    that finds the lock held is skipped: it returns ``None``, logs who holds the lock,
+    and a management command writes one line to stderr and exits 0. ``blocking=True``
+    waits instead (up to ``timeout`` seconds). ``schedule="0 3 * * *"`` also runs the
+    body at most once per cron slot (computed from the database clock; needs the
+    ``schedule`` extra), however many hosts fire it. Other keyword arguments (``using``,
+    thresholds, ``poll_interval``, ``advisory``, ``metrics``, ``description``) go to
+    :class:`~django_pglock.Lock`. Works on ``async def`` functions too.
+    """
+    if callable(name) and not isinstance(name, str):
+        return _SingletonJob(None, key, blocking, timeout, schedule, lock_options)(name)
+    return _SingletonJob(name, key, blocking, timeout, schedule, lock_options)

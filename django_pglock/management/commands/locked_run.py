@@ -1,0 +1,220 @@
+"""``manage.py locked_run [options] <command> [args…]``: a command under a lock.
+
+The command runs as a child process, so that it can be terminated when the lease is
+lost. ``--shell -- <argv…>`` wraps any program instead of a management command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import get_commands
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_pglock.exceptions import LockNotHeld
+from django_pglock.identity import redact
+from django_pglock.lock import Lease, Lock
+from django_pglock.schedule import ScheduleSlot
+
+EXIT_USAGE = 2
+EXIT_LOST = 75  # EX_TEMPFAIL: the lease was lost and the child was terminated
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value < 0 or value != value or value in (float("inf"),):
+        raise argparse.ArgumentTypeError(f"{text!r} must be zero or more seconds")
+    return value
+
+
+class Command(BaseCommand):
+    help = (
+        "Run a management command (or, with --shell, any program) under a lock, so that it "
+        "runs on one machine at a time. Exit status: the child's own; 0 when skipped "
+        "because the lock is held (see --skip-exit-code); 2 for usage or configuration "
+        "errors; 75 when the lease was lost and the child was terminated."
+    )
+    requires_system_checks: list[str] = []  # the child runs its own checks
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("argv", nargs=argparse.REMAINDER, help="<command> [args…]")
+        parser.add_argument("--name", help="Lock name (default: the command's name).")
+        parser.add_argument(
+            "--shell",
+            action="store_true",
+            help="Run an arbitrary program: locked_run --shell -- <argv…>.",
+        )
+        parser.add_argument(
+            "--wait", action="store_true", help="Wait for the lock instead of skipping."
+        )
+        parser.add_argument(
+            "--timeout", type=_seconds, default=None, help="With --wait: give up after N s."
+        )
+        parser.add_argument("--heartbeat-interval", type=_seconds, default=None)
+        parser.add_argument("--alert-after", type=_seconds, default=None)
+        parser.add_argument("--stale-after", type=_seconds, default=None)
+        parser.add_argument("--poll-interval", type=_seconds, default=None)
+        parser.add_argument(
+            "--jitter",
+            type=_seconds,
+            default=0.0,
+            help="Sleep a random 0..N s before trying, to spread a thundering herd.",
+        )
+        parser.add_argument(
+            "--on-lost",
+            choices=("terminate", "continue"),
+            default="terminate",
+            help="When the lease is lost: terminate the child (default) or let it run.",
+        )
+        parser.add_argument(
+            "--kill-grace",
+            type=_seconds,
+            default=10.0,
+            help="Seconds between SIGTERM and SIGKILL when terminating the child.",
+        )
+        parser.add_argument("--database", default=None, help="Database alias for the lock.")
+        parser.add_argument(
+            "--skip-exit-code",
+            type=int,
+            default=0,
+            help="Exit status when skipped because the lock is held (default 0).",
+        )
+        parser.add_argument(
+            "--schedule",
+            default=None,
+            help='Cron expression (e.g. "0 3 * * *"): run at most once per schedule slot, '
+            "judged by the database clock. Needs the [schedule] extra (croniter).",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        argv = list(options["argv"])
+        if argv and argv[0] == "--":
+            argv = argv[1:]
+        if not argv:
+            raise CommandError(
+                "Name the command to run: locked_run <command> [args…], or "
+                "locked_run --shell -- <program> [args…].",
+                returncode=EXIT_USAGE,
+            )
+        child_argv, default_name = self._child_argv(argv, options["shell"])
+        lock_options = {
+            "using": options["database"],
+            "heartbeat_interval": options["heartbeat_interval"],
+            "alert_after": options["alert_after"],
+            "stale_after": options["stale_after"],
+            "poll_interval": options["poll_interval"],
+            "description": "locked_run " + " ".join(argv),
+        }
+        try:
+            name = options["name"] or default_name
+            slot = None
+            if options["schedule"]:
+                slot = ScheduleSlot(options["schedule"], name, using=options["database"])
+            lock = Lock(name, **lock_options)
+            lock._thresholds()  # settings and arguments together must be in order
+            acquisition = lock.acquire(blocking=options["wait"], timeout=options["timeout"])
+        except (ValueError, ImproperlyConfigured) as exc:
+            raise CommandError(str(exc), returncode=EXIT_USAGE) from None
+
+        if options["jitter"]:
+            time.sleep(random.uniform(0, options["jitter"]))
+        shown = redact(" ".join(argv))
+        self.terminated = False
+        code = options["skip_exit_code"]
+        try:
+            with acquisition as lease:
+                if lease is None:
+                    holder = acquisition.holder
+                    who = holder["holder"] if holder else "another process"
+                    self.stderr.write(f"Skipped {shown!r}: lock {name!r} is held by {who}.")
+                elif slot is not None and not slot.claim():
+                    self.stderr.write(
+                        f"Skipped {shown!r}: schedule slot {slot.slot_label} of {name!r} "
+                        "has already started elsewhere."
+                    )
+                else:
+                    code = self._supervise(lease, child_argv, options)
+        except LockNotHeld as exc:
+            # The lease was lost while the child ran and --on-lost continue let it finish.
+            self.stderr.write(f"{exc} The command's own exit status is kept.")
+        sys.exit(code)
+
+    def _child_argv(self, argv: list[str], shell: bool) -> tuple[list[str], str]:
+        if shell:
+            return argv, Path(argv[0]).name
+        command = argv[0]
+        if command not in get_commands():
+            raise CommandError(
+                f"Unknown command: {command!r}. Run 'manage.py help' for the list, or use "
+                "--shell -- <program> to wrap a program that is not a management command.",
+                returncode=EXIT_USAGE,
+            )
+        if command == "locked_run":
+            raise CommandError("locked_run cannot wrap itself.", returncode=EXIT_USAGE)
+        entry = sys.argv[0]
+        if entry.endswith("manage.py") and os.path.isfile(entry):
+            return [sys.executable, entry, *argv], command
+        return [sys.executable, "-m", "django", *argv], command
+
+    def _supervise(self, lease: Lease, child_argv: list[str], options: dict[str, Any]) -> int:
+        lost = threading.Event()
+        lease.on_lost(lambda _lease: lost.set())
+        env = dict(os.environ)
+        env["DJANGO_PGLOCK_TOKEN"] = str(lease.token)
+        if not options["shell"]:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+        try:
+            child = subprocess.Popen(child_argv, env=env)
+        except OSError as exc:
+            raise CommandError(
+                f"Could not start {child_argv[0]!r}: {exc.strerror}.", returncode=EXIT_USAGE
+            ) from None
+
+        def forward(signum: int, frame: FrameType | None) -> None:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+        previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+        try:
+            while child.poll() is None:
+                if lost.wait(0.05):
+                    if options["on_lost"] == "continue":
+                        self.stderr.write(
+                            f"Lock {lease.name!r} was lost; the command goes on "
+                            "(--on-lost continue)."
+                        )
+                        child.wait()
+                        break
+                    self.stderr.write(f"Lock {lease.name!r} was lost; terminating the command.")
+                    self._terminate(child, options["kill_grace"])
+                    self.terminated = True
+                    return EXIT_LOST
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        code = child.returncode
+        return 128 - code if code < 0 else code
+
+    @staticmethod
+    def _terminate(child: subprocess.Popen[bytes], grace: float) -> None:
+        child.terminate()
+        try:
+            child.wait(grace)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()

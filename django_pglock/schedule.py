@@ -1,0 +1,74 @@
+"""Schedule-slot mode: at most one start per cron tick, judged by the database clock."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connections
+from django.utils import timezone
+
+from . import sql
+from .conf import get_setting
+from .connection import validate_alias
+from .identity import current
+
+__all__ = ["ScheduleSlot"]
+
+
+def _cronsim() -> Any:
+    try:
+        import cronsim
+    except ImportError:
+        raise ImproperlyConfigured(
+            "Schedule slots need the cronsim package; install django-singleton-jobs[schedule]."
+        ) from None
+    return cronsim
+
+
+class ScheduleSlot:
+    """The current slot of a cron ``expression`` for the job ``name``.
+
+    Slots are computed from the database clock in the project's ``TIME_ZONE``, so hosts
+    whose clocks disagree still agree on the slot. :meth:`claim` records the start of the
+    current slot and tells whether this caller was first.
+    """
+
+    def __init__(self, expression: str, name: str, using: str | None = None) -> None:
+        cronsim = _cronsim()
+        if not isinstance(expression, str):
+            raise ValueError(f"schedule={expression!r} must be a cron expression string.")
+        try:
+            cronsim.CronSim(expression, timezone.now())
+        except cronsim.CronSimError as exc:
+            raise ValueError(
+                f"schedule={expression!r} is not a valid cron expression ({exc}); use five "
+                "fields, for example '0 3 * * *' for 03:00 every day."
+            ) from None
+        self.expression = expression
+        self.name = name
+        self.using = using
+        self.slot: datetime.datetime | None = None
+
+    @property
+    def slot_label(self) -> str:
+        return self.slot.isoformat() if self.slot else "(not computed)"
+
+    def current_slot(self, now: datetime.datetime) -> datetime.datetime:
+        """The start of the slot that contains ``now`` (the latest tick at or before it)."""
+        local = timezone.localtime(now).replace(microsecond=0) + datetime.timedelta(seconds=1)
+        start: datetime.datetime = next(_cronsim().CronSim(self.expression, local, reverse=True))
+        return start
+
+    def claim(self) -> bool:
+        """Record the start of the current slot; ``True`` only for the first caller."""
+        alias = validate_alias(self.using if self.using is not None else get_setting("DATABASE"))
+        with connections[alias].cursor() as cursor:
+            cursor.execute(sql.NOW)
+            (now,) = cursor.fetchone()
+            self.slot = self.current_slot(now)
+            cursor.execute(
+                sql.CLAIM_SLOT, {"name": self.name, "slot": self.slot, "holder": current().holder}
+            )
+            return cursor.fetchone() is not None

@@ -1,0 +1,14 @@
+#!/usr/bin/env python
+"""The example project's manage.py: try `python example_project/manage.py demo`."""
+
+import os
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "example.settings")
+    from django.core.management import execute_from_command_line
+
+    execute_from_command_line(sys.argv)
