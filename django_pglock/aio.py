@@ -7,6 +7,9 @@ the event loop is never blocked; the decisions are the sync core's.
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +17,35 @@ if TYPE_CHECKING:
     from .lock import Lease, Lock, _Waiter
 
 __all__ = ["AsyncAcquisition"]
+
+
+class _Handoff:
+    """Hands a lease from the worker thread to the awaiting task, or releases it when
+    that task was cancelled meanwhile: a cancelled acquire never leaks a held lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._lease: Lease | None = None
+
+    def run(self, attempt: Callable[[], Lease | None]) -> Lease | None:
+        lease = attempt()
+        with self._lock:
+            if not self._abandoned:
+                self._lease = lease
+                return lease
+        if lease is not None:
+            lease.release()
+        return None
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            lease, self._lease = self._lease, None
+        if lease is not None:
+            threading.Thread(
+                target=lease.release, name="django_pglock-release", daemon=True
+            ).start()
 
 
 class AsyncAcquisition:
@@ -32,7 +64,14 @@ class AsyncAcquisition:
     async def __aenter__(self) -> Lease | None:
         waiter = self._waiter
         while True:
-            lease = await asyncio.to_thread(self._lock._attempt_once, waiter)
+            handoff = _Handoff()
+            try:
+                lease = await asyncio.to_thread(
+                    handoff.run, functools.partial(self._lock._attempt_once, waiter)
+                )
+            except asyncio.CancelledError:
+                handoff.abandon()  # the statement runs on in its thread
+                raise
             if lease is not None:
                 self.lease = lease
                 return lease

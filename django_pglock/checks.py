@@ -11,7 +11,7 @@ from django.core.checks import CheckMessage, Error, Warning
 from django.db import connections
 from django.utils.module_loading import import_string
 
-from .conf import DEFAULTS, SETTING_NAME
+from .conf import DEFAULTS, MAX_SECONDS, SETTING_NAME
 
 __all__ = ["check_database", "check_settings"]
 
@@ -24,7 +24,7 @@ def _is_seconds(value: object) -> bool:
         isinstance(value, (int, float))
         and not isinstance(value, bool)
         and math.isfinite(value)
-        and value > 0
+        and 0 < value <= MAX_SECONDS
     )
 
 
@@ -56,7 +56,7 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
         errors.append(
             Error(
                 f"{SETTING_NAME}[{key!r}] = {values[key]!r} is not a positive number of seconds.",
-                hint="Use a float such as 10.0.",
+                hint=f"Use a float such as 10.0 (at most {MAX_SECONDS:.0f}).",
                 id="django_pglock.E003",
             )
         )

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 
 __all__ = ["DEFAULTS", "Thresholds", "get_setting", "validate_thresholds"]
 
@@ -26,7 +27,21 @@ DEFAULTS: dict[str, Any] = {
 def get_setting(key: str) -> Any:
     """Return ``DJANGO_PGLOCK[key]``, or its default when the project does not set it."""
     configured = getattr(settings, SETTING_NAME, None) or {}
+    if not isinstance(configured, dict):
+        raise ImproperlyConfigured(
+            f"{SETTING_NAME} is {configured!r}, not a dict; set it to a dict such as "
+            f"{{'STALE_AFTER': 600.0}} or remove it."
+        )
     return configured.get(key, DEFAULTS[key])
+
+
+def setting_label(key: str) -> str:
+    """How to name a setting in an error message."""
+    return f"{SETTING_NAME}[{key!r}]"
+
+
+#: Longer than any job needs, and well inside what PostgreSQL intervals can hold.
+MAX_SECONDS = 100 * 365 * 24 * 3600.0
 
 
 def check_seconds(label: str, value: object, *, allow_zero: bool = False) -> float:
@@ -34,9 +49,13 @@ def check_seconds(label: str, value: object, *, allow_zero: bool = False) -> flo
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{label}={value!r} is not a number; pass a number of seconds.")
     number = float(value)
-    if not math.isfinite(number) or number < 0 or (number == 0 and not allow_zero):
+    too_small = number < 0 or (number == 0 and not allow_zero)
+    if not math.isfinite(number) or too_small or number > MAX_SECONDS:
         bound = "zero or more" if allow_zero else "greater than zero"
-        raise ValueError(f"{label}={value!r} is out of range; it must be {bound} and finite.")
+        raise ValueError(
+            f"{label}={value!r} is out of range; it must be {bound} and finite, at most "
+            f"{MAX_SECONDS:.0f} seconds (100 years)."
+        )
     return number
 
 
@@ -50,16 +69,19 @@ class Thresholds:
 
 
 def validate_thresholds(
-    heartbeat_interval: object, alert_after: object, stale_after: object
+    heartbeat_interval: object,
+    alert_after: object,
+    stale_after: object,
+    labels: tuple[str, str, str] = ("heartbeat_interval", "alert_after", "stale_after"),
 ) -> Thresholds:
     """Check the three thresholds and their order, raising ``ValueError`` with the fix."""
-    hb = check_seconds("heartbeat_interval", heartbeat_interval)
-    alert = check_seconds("alert_after", alert_after)
-    stale = check_seconds("stale_after", stale_after)
+    hb = check_seconds(labels[0], heartbeat_interval)
+    alert = check_seconds(labels[1], alert_after)
+    stale = check_seconds(labels[2], stale_after)
     if not hb < alert < stale:
         raise ValueError(
-            f"Thresholds heartbeat_interval={heartbeat_interval!r}, alert_after={alert_after!r}, "
-            f"stale_after={stale_after!r} are out of order; they must satisfy "
+            f"Thresholds {labels[0]}={heartbeat_interval!r}, {labels[1]}={alert_after!r}, "
+            f"{labels[2]}={stale_after!r} are out of order; they must satisfy "
             "heartbeat_interval < alert_after < stale_after."
         )
     return Thresholds(hb, alert, stale)

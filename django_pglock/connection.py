@@ -93,7 +93,9 @@ class LockConnection:
         else:
             self._prepare = bool(get_setting("ADVISORY"))
         try:
-            conn = psycopg.connect(autocommit=True, prepare_threshold=None, **params)
+            # prepare_threshold=None would switch preparing off even for prepare=True.
+            threshold = 0 if self._prepare else None
+            conn = psycopg.connect(autocommit=True, prepare_threshold=threshold, **params)
         except psycopg.Error as exc:
             # libpq's message names host and port, never the password; the parameters
             # themselves are not repeated here.

@@ -9,6 +9,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
+from .conf import check_seconds
 from .lock import Lock, validate_name
 from .schedule import ScheduleSlot
 
@@ -62,10 +63,10 @@ class _SingletonJob:
                 f"timeout={timeout!r} was given with blocking=False; drop the timeout or pass "
                 "blocking=True."
             )
-        # Validate thresholds and alias now, so a bad decorator fails at import time.
+        # Validate arguments now, so a bad decorator fails at import time.
         Lock(name or "validation", **lock_options)
         if timeout is not None:
-            Lock(name or "validation")._waiter(True, timeout)
+            check_seconds("timeout", timeout, allow_zero=True)
         if schedule is not None:
             ScheduleSlot(schedule, name or "validation", using=lock_options.get("using"))
         self.schedule = schedule

@@ -128,7 +128,7 @@ class Registry:
             by_alias = {alias: list(held.values()) for alias, held in self._leases.items()}
         for alias, leases in by_alias.items():
             conn = get_connection(alias)
-            live = []
+            live, watched = [], []
             for lease in leases:
                 lease._check_session(conn)
                 wake_at = min(wake_at, lease._watch(now))
@@ -140,15 +140,19 @@ class Registry:
                     wake_at = min(wake_at, now + RETRY_INTERVAL)
                 if not lease._lost_reason and not lease._done:
                     live.append(lease)
-            if not live:
+                elif lease._lost_reason and not lease._done:
+                    watched.append(lease)  # lost by its deadline: still holds its key
+            if not live and not watched:
                 continue
-            interval = min(lease.heartbeat_interval for lease in live)
+            interval = min(lease.heartbeat_interval for lease in live or watched)
             if alias in self._failing:
                 interval = min(interval, max(RETRY_INTERVAL, interval / 4))
             due = self._last_beat.get(alias, 0.0) + interval
             if now >= due:
                 try:
                     beat(conn, live)
+                    for lease in watched:
+                        lease._recheck_lost()
                     self._failing.discard(alias)
                 except LockError as exc:
                     if alias not in self._failing:

@@ -14,11 +14,13 @@ from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
 
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
 from . import heartbeat, signals, sql
 from .aio import AsyncAcquisition
-from .conf import Thresholds, check_seconds, get_setting, validate_thresholds
+from .conf import Thresholds, check_seconds, get_setting, setting_label, validate_thresholds
 from .connection import LockConnection, get_connection, validate_alias
 from .events import call_metrics, configured_metrics, send
 from .exceptions import LockError, LockNotAcquired, LockNotHeld
@@ -44,6 +46,13 @@ def validate_name(name: object) -> str:
         )
     if "\x00" in name:
         raise ValueError(f"Lock name {name!r} contains a NUL character; remove it.")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"Lock name {name!r} cannot be stored as UTF-8 (it holds a lone surrogate); "
+            "pass a name made of valid text."
+        ) from None
     return name
 
 
@@ -83,7 +92,7 @@ class Lease:
         self._key_held = advisory  # this session holds the advisory key for the lease
         self._lock = lock
         self._conn = conn
-        self._key = sql.advisory_key(lock.name)[0]
+        self._key = sql.advisory_key(lock.name)
         self._generation = conn.generation
         self._pid = os.getpid()
         self._margin = _safety_margin(thresholds)
@@ -266,11 +275,13 @@ class Lease:
                 return  # the release in progress saw the row go, and settles the outcome
             self._lost_reason = reason
             callbacks = list(self._on_lost)
-        if not self._pending:
-            heartbeat.registry().discard(self)
         if row_gone:
             # Someone else owns the name now: give the advisory key back at once.
             self._give_back_key()
+        if not self._pending and not self._key_held:
+            heartbeat.registry().discard(self)
+        # Otherwise the row may still be ours (a missed deadline): the heartbeat thread
+        # keeps the key, and so the holder's precedence, until the row is seen gone.
         logger.warning("django_pglock: lock %r (token %s) lost: %s", self.name, self.token, reason)
         send(signals.lock_lost, self._lock, lease=self, reason=reason)
         call_metrics(self._lock._hooks(), "lost", self.name)
@@ -279,6 +290,13 @@ class Lease:
                 callback(self)
             except Exception:
                 logger.exception("django_pglock: on_lost callback for %r raised", self.name)
+
+    def _recheck_lost(self) -> None:
+        """For a lease lost by its deadline: once its row is gone, give the key back."""
+        rows = self._conn.execute(sql.CHECK, {"name": self.name, "token": self.token})
+        if not rows[0][0] or not self._key_held:
+            self._give_back_key()
+            heartbeat.registry().discard(self)
 
     def _claim_key(self) -> bool:
         """Take the duty to unlock the advisory key; true at most once per lease."""
@@ -393,7 +411,7 @@ class Lock:
                 check_seconds(label, value)
         if advisory is not None and not isinstance(advisory, bool):
             raise ValueError(f"advisory={advisory!r} must be True, False or None (from settings).")
-        if using is not None:
+        if using is not None and settings.configured:
             validate_alias(using)
         if description is not None and not isinstance(description, str):
             raise ValueError(f"description={description!r} must be a string.")
@@ -407,6 +425,8 @@ class Lock:
         self.description = None if description is None else redact(description)
         if heartbeat_interval is not None and alert_after is not None and stale_after is not None:
             validate_thresholds(heartbeat_interval, alert_after, stale_after)
+        elif settings.configured and (heartbeat_interval, alert_after, stale_after) != (None,) * 3:
+            self._thresholds()  # partial arguments must fit the current settings
 
     def __repr__(self) -> str:
         return f"<Lock {self.name!r}>"
@@ -416,23 +436,28 @@ class Lock:
     def _alias(self) -> str:
         return validate_alias(self.using if self.using is not None else get_setting("DATABASE"))
 
+    def _option(self, attribute: str) -> tuple[Any, str]:
+        """An argument's value and label, falling back to the setting of that name."""
+        value = getattr(self, attribute)
+        if value is not None:
+            return value, attribute
+        key = attribute.upper()
+        return get_setting(key), setting_label(key)
+
     def _thresholds(self) -> Thresholds:
-        return validate_thresholds(
-            self.heartbeat_interval
-            if self.heartbeat_interval is not None
-            else get_setting("HEARTBEAT_INTERVAL"),
-            self.alert_after if self.alert_after is not None else get_setting("ALERT_AFTER"),
-            self.stale_after if self.stale_after is not None else get_setting("STALE_AFTER"),
+        (hb, hb_label), (alert, alert_label), (stale, stale_label) = (
+            self._option(attribute)
+            for attribute in ("heartbeat_interval", "alert_after", "stale_after")
         )
+        return validate_thresholds(hb, alert, stale, (hb_label, alert_label, stale_label))
 
     def _poll_interval(self) -> float:
-        value = (
-            self.poll_interval if self.poll_interval is not None else get_setting("POLL_INTERVAL")
-        )
-        return check_seconds("poll_interval", value)
+        return check_seconds(*reversed(self._option("poll_interval")))
 
     def _use_advisory(self, conn: LockConnection) -> bool:
-        wanted = self.advisory if self.advisory is not None else bool(get_setting("ADVISORY"))
+        wanted, label = self._option("advisory")
+        if not isinstance(wanted, bool):
+            raise ImproperlyConfigured(f"{label} = {wanted!r} must be True or False.")
         return wanted and not conn.pooled
 
     def _hooks(self) -> tuple[Any, ...]:
@@ -515,7 +540,7 @@ class Lock:
         thresholds = self._thresholds()
         conn = get_connection(alias)
         identity = current()
-        key, key_hi, key_lo = sql.advisory_key(self.name)
+        key = sql.advisory_key(self.name)
         use_advisory = self._use_advisory(conn)
         sent = time.monotonic()
         rows = conn.execute(
@@ -533,8 +558,6 @@ class Lock:
                 "stale_after": thresholds.stale_after,
                 "advisory": use_advisory,
                 "key": key,
-                "key_hi": key_hi,
-                "key_lo": key_lo,
             },
         )
         (
@@ -554,6 +577,13 @@ class Lock:
             prev_stale,
             _unlocked,
         ) = rows[0]
+        if prev_token is None and token is None:
+            # Refused by a holder that committed after this statement's snapshot: one
+            # more read, only in that race, to name the holder.
+            found = conn.execute(sql.HOLDER, {"name": self.name})
+            if found:
+                (prev_token, prev_holder, prev_host, prev_pid, prev_acquired_at) = found[0][:5]
+                (prev_description, prev_age, prev_alert_after) = found[0][5:]
         previous = None
         if prev_token is not None:
             previous = {

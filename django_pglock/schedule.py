@@ -6,12 +6,11 @@ import datetime
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connections
 from django.utils import timezone
 
 from . import sql
 from .conf import get_setting
-from .connection import validate_alias
+from .connection import get_connection, validate_alias
 from .identity import current
 
 __all__ = ["ScheduleSlot"]
@@ -39,8 +38,8 @@ class ScheduleSlot:
         cronsim = _cronsim()
         if not isinstance(expression, str):
             raise ValueError(f"schedule={expression!r} must be a cron expression string.")
-        try:
-            cronsim.CronSim(expression, timezone.now())
+        try:  # a fixed date: validating must not need settings
+            cronsim.CronSim(expression, datetime.datetime(2000, 1, 1))
         except cronsim.CronSimError as exc:
             raise ValueError(
                 f"schedule={expression!r} is not a valid cron expression ({exc}); use five "
@@ -64,11 +63,12 @@ class ScheduleSlot:
     def claim(self) -> bool:
         """Record the start of the current slot; ``True`` only for the first caller."""
         alias = validate_alias(self.using if self.using is not None else get_setting("DATABASE"))
-        with connections[alias].cursor() as cursor:
-            cursor.execute(sql.NOW)
-            (now,) = cursor.fetchone()
-            self.slot = self.current_slot(now)
-            cursor.execute(
-                sql.CLAIM_SLOT, {"name": self.name, "slot": self.slot, "holder": current().holder}
-            )
-            return cursor.fetchone() is not None
+        # On the dedicated autocommit connection: a claim never joins the caller's
+        # transaction, so it is visible to other hosts at once.
+        conn = get_connection(alias)
+        ((now,),) = conn.execute(sql.NOW, {})
+        self.slot = self.current_slot(now)
+        rows = conn.execute(
+            sql.CLAIM_SLOT, {"name": self.name, "slot": self.slot, "holder": current().holder}
+        )
+        return bool(rows)

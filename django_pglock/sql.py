@@ -19,6 +19,7 @@ __all__ = [
     "FORCE_RELEASE",
     "GUARD",
     "HEARTBEAT",
+    "HOLDER",
     "NOW",
     "RELEASE",
     "RELEASE_GUARDED",
@@ -37,59 +38,55 @@ def quote_name(name: str) -> str:
     return name if name.startswith('"') and name.endswith('"') else f'"{name}"'
 
 
-def advisory_key(name: str) -> tuple[int, int, int]:
-    """The advisory-lock key of a lock name: ``(bigint key, pg_locks classid, objid)``.
+def advisory_key(name: str) -> int:
+    """The session advisory-lock key (a signed bigint) of a lock name.
 
-    A collision between two names only means a contender waits for ``stale_after``
-    instead of taking over at once: liveness is judged per holder session, so a key held
-    by some other session never makes a live holder look dead.
+    A collision between two names only ever costs speed: a contender that cannot take
+    the key treats the holder as alive and waits for ``stale_after``.
     """
     digest = hashlib.blake2b(name.encode(), digest_size=8, person=b"django_pglock").digest()
-    unsigned = int.from_bytes(digest, "big")
-    signed = unsigned - (1 << 64) if unsigned >= 1 << 63 else unsigned
-    return signed, unsigned >> 32, unsigned & 0xFFFFFFFF
+    return int.from_bytes(digest, "big", signed=True)
 
 
 _T = quote_name(TABLE)
 
-# Reclaimable: no heartbeat for the row's own stale_after by the database clock, or the
-# holder declared the advisory path and its session no longer holds the key.
+# Reclaimable: no heartbeat for the row's own stale_after by the database clock; or the
+# holder declared the advisory path, is another session, and its key was free for us to
+# take (`key`, below): a holder always holds its key while its session lives, so a free
+# key means that session has ended. A key held by anyone else only ever costs speed.
 _RECLAIMABLE = """(
     now() - {j}.last_heartbeat > {j}.stale_after * interval '1 second'
-    OR ({j}.advisory AND NOT EXISTS (
-        SELECT 1 FROM pg_catalog.pg_locks l
-        WHERE l.locktype = 'advisory' AND l.pid = {j}.backend_pid AND l.granted
-          AND l.classid = %(key_hi)s::bigint::oid AND l.objid = %(key_lo)s::bigint::oid
-          AND l.objsubid = 1))
+    OR ({j}.advisory AND {j}.backend_pid <> pg_backend_pid() AND (SELECT held FROM key))
 )"""
 
 # Acquire in one statement. `cur` reads the current row from the snapshot (no lock);
-# `grab` locks it FOR UPDATE SKIP LOCKED only when it is reclaimable (a guarded row is
-# skipped, never waited for); `prop` proposes a row, taking the advisory key first, only
-# when the name is free or grabbed; the INSERT .. ON CONFLICT .. DO UPDATE .. WHERE is
-# the atomic decision, re-checked on the latest row version. A refused proposal gives
-# the advisory key back in the same statement, so every outcome is one round trip.
+# `key` tries the advisory key (session-level) once; `grab` locks the row FOR UPDATE
+# SKIP LOCKED only when it is reclaimable (a guarded row is skipped, never waited for);
+# the INSERT proposes a row only when the name is free or grabbed, and ON CONFLICT ..
+# DO UPDATE .. WHERE is the atomic decision, re-checked on the latest row version. A
+# refused attempt gives the key back in the same statement: every outcome is one round
+# trip, and a refusal writes nothing.
 ACQUIRE = f"""
 WITH cur AS (
     SELECT c.token, c.holder, c.host, c.pid, c.acquired_at, c.description,
            extract(epoch FROM now() - c.last_heartbeat)::float8 AS age,
            c.alert_after, c.stale_after
     FROM {_T} c WHERE c.name = %(name)s
+), key AS MATERIALIZED (
+    SELECT CASE WHEN %(advisory)s THEN pg_try_advisory_lock(%(key)s) ELSE false END AS held
 ), grab AS MATERIALIZED (
     SELECT now() - g.last_heartbeat > g.stale_after * interval '1 second' AS stale
     FROM {_T} g WHERE g.name = %(name)s AND {_RECLAIMABLE.format(j="g")}
     FOR UPDATE SKIP LOCKED
-), prop AS MATERIALIZED (
-    SELECT CASE WHEN %(advisory)s THEN pg_try_advisory_lock(%(key)s) ELSE false END AS adv
-    WHERE NOT EXISTS (SELECT 1 FROM cur) OR EXISTS (SELECT 1 FROM grab)
 ), ins AS (
     INSERT INTO {_T} AS j (
         name, token, holder, host, pid, backend_pid, description, acquired_at,
         last_heartbeat, heartbeat_interval, alert_after, stale_after, advisory)
     SELECT %(name)s, nextval('{SEQUENCE}'), %(holder)s, %(host)s, %(pid)s, pg_backend_pid(),
            %(description)s, now(), now(), %(heartbeat_interval)s, %(alert_after)s,
-           %(stale_after)s, prop.adv
-    FROM prop
+           %(stale_after)s, key.held
+    FROM key
+    WHERE NOT EXISTS (SELECT 1 FROM cur) OR EXISTS (SELECT 1 FROM grab)
     ON CONFLICT (name) DO UPDATE SET
         token = EXCLUDED.token, holder = EXCLUDED.holder, host = EXCLUDED.host,
         pid = EXCLUDED.pid, backend_pid = EXCLUDED.backend_pid,
@@ -104,9 +101,8 @@ WITH cur AS (
 SELECT ins.token, ins.acquired_at, ins.advisory, ins.backend_pid,
        cur.token, cur.holder, cur.host, cur.pid, cur.acquired_at, cur.description,
        cur.age, cur.alert_after, cur.stale_after, grab.stale,
-       CASE WHEN ins.token IS NULL AND prop.adv THEN pg_advisory_unlock(%(key)s) END
-FROM (SELECT 1) AS one
-LEFT JOIN prop ON true LEFT JOIN ins ON true LEFT JOIN cur ON true LEFT JOIN grab ON true
+       CASE WHEN ins.token IS NULL AND key.held THEN pg_advisory_unlock(%(key)s) END
+FROM key LEFT JOIN ins ON true LEFT JOIN cur ON true LEFT JOIN grab ON true
 """
 
 # Heartbeat every lease of this process on one alias in one statement, scoped by
@@ -161,6 +157,13 @@ SELECT EXISTS (SELECT 1 FROM del) AS deleted, EXISTS (SELECT 1 FROM still) AS pr
 # Behind a transaction-mode pooler: stop declaring the advisory path on our rows, so
 # that no contender judges them by a session that is not really ours.
 DISABLE_ADVISORY = f"UPDATE {_T} SET advisory = false WHERE token = ANY(%(tokens)s::bigint[])"
+
+# Who holds a name now (after a refusal whose snapshot predates the holder's commit).
+HOLDER = f"""
+SELECT token, holder, host, pid, acquired_at, description,
+       extract(epoch FROM now() - last_heartbeat)::float8, alert_after
+FROM {_T} WHERE name = %(name)s
+"""
 
 # Is the row still ours? A plain snapshot read.
 CHECK = f"SELECT EXISTS (SELECT 1 FROM {_T} WHERE name = %(name)s AND token = %(token)s)"

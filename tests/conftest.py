@@ -31,9 +31,7 @@ def django_db_setup(django_db_setup, django_db_blocker):
     with django_db_blocker.unblock():
         connections.close_all()
         names = [
-            conn.settings_dict["NAME"]
-            for conn in connections.all()
-            if conn.vendor == "postgresql"
+            conn.settings_dict["NAME"] for conn in connections.all() if conn.vendor == "postgresql"
         ]
         with psycopg.connect(ensure_database_url(), autocommit=True) as admin:
             admin.execute(
@@ -61,9 +59,7 @@ def child_env(test_db_name):
     env = os.environ.copy()
     env["DJANGO_SETTINGS_MODULE"] = "tests.settings"
     env[ENV_TEST_DB_NAME] = test_db_name
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in [str(REPO_ROOT), env.get("PYTHONPATH", "")] if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(REPO_ROOT), env.get("PYTHONPATH", "")] if p)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -175,9 +171,24 @@ def _delete_lock_rows(pg_url, dbname):
         conn.execute(sql.SQL("DELETE FROM {}").format(sql.Identifier(LOCK_TABLE)))
 
 
+def _forget_leases():
+    """Stop heartbeating leases that earlier tests left behind in this process.
+
+    Their rows are deleted with the table's contents; without this, a leftover lease with
+    a short heartbeat interval would make the heartbeat thread refresh this test's rows
+    more often than the test's own thresholds say.
+    """
+    from django_pglock.heartbeat import registry
+
+    for lease in registry().leases():
+        registry().discard(lease)
+
+
 @pytest.fixture
 def clean_locks(pg_url, test_db_name):
     """Empty the lock table of the test database before and after the test."""
+    _forget_leases()
     _delete_lock_rows(pg_url, test_db_name)
     yield
+    _forget_leases()
     _delete_lock_rows(pg_url, test_db_name)

@@ -61,6 +61,7 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django_pglock",
+    "tests.testapp",
 ]
 
 MIDDLEWARE = [

@@ -150,8 +150,8 @@ class Command(BaseCommand):
                 else:
                     code = self._supervise(lease, child_argv, options)
         except LockNotHeld as exc:
-            # The lease was lost while the child ran and --on-lost continue let it finish.
-            self.stderr.write(f"{exc} The command's own exit status is kept.")
+            if not self.terminated:  # --on-lost continue let the child finish
+                self.stderr.write(f"{exc} The command's own exit status is kept.")
         sys.exit(code)
 
     def _child_argv(self, argv: list[str], shell: bool) -> tuple[list[str], str]:
