@@ -8,6 +8,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+from django.core.signals import setting_changed
 
 __all__ = ["DEFAULTS", "Thresholds", "get_setting", "validate_thresholds"]
 
@@ -24,15 +25,34 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+_cache: dict[str, Any] | None = None
+
+
 def get_setting(key: str) -> Any:
-    """Return ``DJANGO_PGLOCK[key]``, or its default when the project does not set it."""
-    configured = getattr(settings, SETTING_NAME, None) or {}
-    if not isinstance(configured, dict):
-        raise ImproperlyConfigured(
-            f"{SETTING_NAME} is {configured!r}, not a dict; set it to a dict such as "
-            f"{{'STALE_AFTER': 600.0}} or remove it."
-        )
+    """Return ``DJANGO_PGLOCK[key]``, or its default when the project does not set it.
+
+    The dict is read on first use and again after ``override_settings`` changes it.
+    """
+    global _cache
+    configured = _cache
+    if configured is None:
+        configured = getattr(settings, SETTING_NAME, None) or {}
+        if not isinstance(configured, dict):
+            raise ImproperlyConfigured(
+                f"{SETTING_NAME} is {configured!r}, not a dict; set it to a dict such as "
+                f"{{'STALE_AFTER': 600.0}} or remove it."
+            )
+        _cache = configured
     return configured.get(key, DEFAULTS[key])
+
+
+def _reload(*, setting: str, **kwargs: Any) -> None:
+    global _cache
+    if setting == SETTING_NAME:
+        _cache = None
+
+
+setting_changed.connect(_reload)
 
 
 def setting_label(key: str) -> str:

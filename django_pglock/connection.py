@@ -18,6 +18,7 @@ from typing import Any
 import psycopg
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
+from psycopg import pq
 
 from . import sql
 from .conf import get_setting
@@ -70,6 +71,7 @@ class LockConnection:
         self.generation = 0
         self.backend_pid: int | None = None
         self.pooled = False  # a transaction-mode pooler was detected
+        self.durable_commit = "on"  # the server's synchronous_commit, used by grants
         self._conn: psycopg.Connection[Any] | None = None
         self._prepare = True
 
@@ -108,7 +110,8 @@ class LockConnection:
             {"statement_timeout": STATEMENT_TIMEOUT, "lock_timeout": LOCK_TIMEOUT},
         ).fetchone()
         assert row is not None
-        self.backend_pid = int(row[2])
+        self.durable_commit = str(row[0])
+        self.backend_pid = int(row[5])
         self.generation += 1
         return conn
 
@@ -119,7 +122,10 @@ class LockConnection:
                 self._conn = self._connect()
             try:
                 cursor = self._conn.execute(query, params, prepare=self._prepare)
-                return cursor.fetchall() if cursor.description else []
+                result = cursor.pgresult
+                if result is None or result.status != pq.ExecStatus.TUPLES_OK:
+                    return []
+                return cursor.fetchall()
             except psycopg.OperationalError as exc:
                 if self._conn.broken or self._conn.closed:
                     self._discard()
@@ -160,20 +166,17 @@ class LockConnection:
         except psycopg.Error:
             return None
 
-    def probe_if_readable(self) -> bool:
-        """Check an idle session whose socket became readable; ``False`` if it is gone.
-
-        With no statement in flight, readable input on the socket is either a notice or
-        the server ending the session (``pg_terminate_backend``, shutdown).
-        """
+    def readable_while_idle(self) -> bool:
+        """True if the socket has input while no statement is in flight (not on Linux)."""
         with self.lock:
             fd = self.fileno()
-            if fd is None:
-                return self._conn is not None
-            readable, _, _ = select.select([fd], [], [], 0)
-            if not readable:
-                return True
-            assert self._conn is not None
+            return fd is not None and bool(select.select([fd], [], [], 0)[0])
+
+    def probe(self) -> bool:
+        """Check a session the server may have closed; ``False`` (and closed) if it did."""
+        with self.lock:
+            if self._conn is None or self._conn.closed:
+                return False
             try:
                 self._conn.execute("SELECT 1")
                 return True

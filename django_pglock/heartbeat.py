@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import selectors
 import threading
 import time
@@ -72,34 +73,36 @@ class Registry:
         os.set_blocking(self._wake_w, False)
         self._thread: threading.Thread | None = None
         self._next_wake = 0.0
+        self._idle_wait = 10.0  # how long to sleep with no lease: the last lease's pace
+        self._watched: set[tuple[str, int]] = set()  # sessions whose sockets are watched
 
     def add(self, lease: Lease) -> None:
         """Keep ``lease`` alive from now on (its acquire counts as its first heartbeat)."""
         now = time.monotonic()
         with self._lock:
-            new_alias = lease.using not in self._leases
-            self._leases.setdefault(lease.using, {})[lease.token] = lease
-            self._last_beat.setdefault(lease.using, now)
+            held = self._leases.setdefault(lease.using, {})
+            if not held:
+                self._last_beat[lease.using] = now
+            held[lease.token] = lease
+            self._idle_wait = min(lease.heartbeat_interval, lease.alert_after)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="django_pglock-heartbeat", daemon=True
                 )
                 self._thread.start()
-            # Wake the thread only if it must look sooner than it planned to.
-            soon = lease._pending or new_alias
-            soon = soon or now + min(lease.heartbeat_interval, lease.alert_after) < self._next_wake
+            # Wake the thread only if it must look sooner than it planned to, or must
+            # start watching this connection's socket.
+            conn = get_connection(lease.using)
+            watched = (conn.alias, conn.generation) in self._watched
+            soon = lease._pending or not watched
+            soon = soon or now + self._idle_wait < self._next_wake
         if soon:
             self.wake()
 
     def discard(self, lease: Lease) -> None:
         """Stop heartbeating ``lease`` (the thread notices at its next wake-up)."""
         with self._lock:
-            held = self._leases.get(lease.using)
-            if held is not None:
-                held.pop(lease.token, None)
-                if not held:
-                    del self._leases[lease.using]
-                    self._last_beat.pop(lease.using, None)
+            self._leases.get(lease.using, {}).pop(lease.token, None)
 
     def leases(self, alias: str | None = None) -> list[Lease]:
         with self._lock:
@@ -123,7 +126,7 @@ class Registry:
 
     def _tick(self) -> float:
         now = time.monotonic()
-        wake_at = now + 60.0
+        wake_at = now + self._idle_wait
         with self._lock:
             by_alias = {alias: list(held.values()) for alias, held in self._leases.items()}
         for alias, leases in by_alias.items():
@@ -166,33 +169,53 @@ class Registry:
         return max(0.0, wake_at - time.monotonic())
 
     def _wait(self, timeout: float) -> None:
-        with selectors.DefaultSelector() as selector:
-            selector.register(self._wake_r, selectors.EVENT_READ, None)
-            for alias in list(self._leases):
-                conn = get_connection(alias)
-                fd = conn.fileno()
-                if fd is not None:
-                    selector.register(fd, selectors.EVENT_READ, conn)
-            for key, _ in selector.select(timeout):
-                if key.data is None:
-                    try:
-                        while os.read(self._wake_r, 512):
-                            pass
-                    except (BlockingIOError, OSError):
-                        pass
-                else:
-                    conn = key.data
-                    if not conn.probe_if_readable():
-                        logger.warning(
-                            "django_pglock: the lock connection for %r was closed by the server",
-                            conn.alias,
-                        )
-                        for lease in self.leases(conn.alias):
-                            lease._check_session(conn)
-                    else:
-                        # Readable because another thread's statement was in flight:
-                        # give it a moment instead of spinning on the same event.
-                        time.sleep(0.001)
+        """Sleep until ``timeout``, a wake-up, or the server closing a lock connection."""
+        conns = {}
+        for alias, held in list(self._leases.items()):
+            conn = get_connection(alias)
+            fd = conn.fileno()
+            if fd is not None and held:
+                conns[fd] = conn
+        self._watched = {(conn.alias, conn.generation) for conn in conns.values()}
+        for conn in _hung_up(self._wake_r, conns, timeout):
+            if not conn.probe():
+                logger.warning(
+                    "django_pglock: the lock connection for %r was closed by the server",
+                    conn.alias,
+                )
+                for lease in self.leases(conn.alias):
+                    lease._check_session(conn)
+        try:
+            while os.read(self._wake_r, 512):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+
+def _hung_up(
+    wake_fd: int, conns: dict[int, LockConnection], timeout: float
+) -> list[LockConnection]:
+    """Wait on the wake-up pipe and the lock sockets; return connections the peer closed.
+
+    On Linux, epoll's EPOLLRDHUP reports only the server closing the session, not the
+    replies to statements other threads are running, so the wait is not disturbed by
+    ordinary traffic. Elsewhere a readable idle socket is probed instead.
+    """
+    if hasattr(select, "epoll"):
+        with select.epoll() as poller:
+            poller.register(wake_fd, select.EPOLLIN)
+            for fd in conns:
+                poller.register(fd, select.EPOLLRDHUP)
+            events = poller.poll(timeout)
+        return [conns[fd] for fd, _ in events if fd in conns]
+    with selectors.DefaultSelector() as selector:  # pragma: no cover - not Linux
+        selector.register(wake_fd, selectors.EVENT_READ, None)
+        for fd, conn in conns.items():
+            selector.register(fd, selectors.EVENT_READ, conn)
+        ready = [key.data for key, _ in selector.select(timeout) if key.data is not None]
+        if ready:
+            time.sleep(0.001)  # maybe another thread's reply: let it be read first
+        return [conn for conn in ready if conn.readable_while_idle()]
 
 
 _registry: Registry | None = None

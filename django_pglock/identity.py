@@ -63,8 +63,13 @@ def redact(text: str) -> str:
     return text
 
 
+_description: tuple[list[str], str] | None = None
+
+
 def default_description() -> str:
     """The redacted command line of this process, used when a lock names no description."""
-    return redact(" ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv)))[
-        :2000
-    ]
+    global _description
+    if _description is None or _description[0] != sys.argv:
+        words = [os.path.basename(sys.argv[0]), *sys.argv[1:]] if sys.argv else []
+        _description = (list(sys.argv), redact(" ".join(words))[:2000])
+    return _description[1]

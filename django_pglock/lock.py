@@ -558,6 +558,7 @@ class Lock:
                 "stale_after": thresholds.stale_after,
                 "advisory": use_advisory,
                 "key": key,
+                "durable": conn.durable_commit,
             },
         )
         (

@@ -65,7 +65,8 @@ _RECLAIMABLE = """(
 # the INSERT proposes a row only when the name is free or grabbed, and ON CONFLICT ..
 # DO UPDATE .. WHERE is the atomic decision, re-checked on the latest row version. A
 # refused attempt gives the key back in the same statement: every outcome is one round
-# trip, and a refusal writes nothing.
+# trip, and a refusal writes nothing. A grant commits with the server's own
+# synchronous_commit (the session default is off, see SESSION_SETUP).
 ACQUIRE = f"""
 WITH cur AS (
     SELECT c.token, c.holder, c.host, c.pid, c.acquired_at, c.description,
@@ -73,7 +74,8 @@ WITH cur AS (
            c.alert_after, c.stale_after
     FROM {_T} c WHERE c.name = %(name)s
 ), key AS MATERIALIZED (
-    SELECT CASE WHEN %(advisory)s THEN pg_try_advisory_lock(%(key)s) ELSE false END AS held
+    SELECT CASE WHEN %(advisory)s THEN pg_try_advisory_lock(%(key)s) ELSE false END AS held,
+           set_config('synchronous_commit', %(durable)s, true) AS durable
 ), grab AS MATERIALIZED (
     SELECT now() - g.last_heartbeat > g.stale_after * interval '1 second' AS stale
     FROM {_T} g WHERE g.name = %(name)s AND {_RECLAIMABLE.format(j="g")}
@@ -196,10 +198,18 @@ ORDER BY acquired_at DESC, name
 """
 
 # Once per new dedicated connection: bound every statement and every lock wait, so the
-# connection that carries all heartbeats is never stuck behind someone else's lock.
+# connection that carries all heartbeats is never stuck behind someone else's lock; plan
+# each prepared statement once (its plan does not depend on the values); and commit
+# heartbeats and releases without waiting for the WAL flush. Losing one of those in a
+# server crash is harmless: the crash ends every holder's session, so the row is
+# abandoned anyway, and the next grant's durable commit flushes the WAL before it.
+# Grants (ACQUIRE) commit with the server's own synchronous_commit, returned first.
 SESSION_SETUP = """
-SELECT set_config('statement_timeout', %(statement_timeout)s, false),
+SELECT current_setting('synchronous_commit'),
+       set_config('statement_timeout', %(statement_timeout)s, false),
        set_config('lock_timeout', %(lock_timeout)s, false),
+       set_config('plan_cache_mode', 'force_generic_plan', false),
+       set_config('synchronous_commit', 'off', false),
        pg_backend_pid()
 """
 

@@ -450,3 +450,14 @@ def test_schema_keeps_one_index_and_a_token_sequence(db):
     ).fetchall()
     assert [i[0] for i in indexes] == ["django_pglock_joblock_pkey"]
     assert db.execute("SELECT to_regclass('django_pglock_token_seq')").fetchone()[0] is not None
+
+
+def test_grants_commit_durably_and_heartbeats_do_not_wait_for_the_flush(db):
+    """The lock session commits heartbeats and releases asynchronously; a grant uses the
+    server's own synchronous_commit (read from the session before it was changed)."""
+    lease = Lock("durable").try_acquire()
+    conn = get_connection("default")
+    server_default = db.execute("SHOW synchronous_commit").fetchone()[0]
+    assert conn.durable_commit == server_default
+    assert conn.execute("SHOW synchronous_commit", {}) == [("off",)]
+    lease.release()
