@@ -415,12 +415,15 @@ class Lock:
             validate_alias(using)
         if description is not None and not isinstance(description, str):
             raise ValueError(f"description={description!r} must be a string.")
-        self.using = using
-        self.heartbeat_interval = heartbeat_interval
-        self.alert_after = alert_after
-        self.stale_after = stale_after
-        self.poll_interval = poll_interval
-        self.advisory = advisory
+        # Arguments as given; None means "from DJANGO_PGLOCK", resolved at each use.
+        self._arguments: dict[str, Any] = {
+            "database": using,
+            "heartbeat_interval": heartbeat_interval,
+            "alert_after": alert_after,
+            "stale_after": stale_after,
+            "poll_interval": poll_interval,
+            "advisory": advisory,
+        }
         self.metrics = metrics
         self.description = None if description is None else redact(description)
         if heartbeat_interval is not None and alert_after is not None and stale_after is not None:
@@ -433,15 +436,45 @@ class Lock:
 
     # -- configuration, resolved at acquire time so override_settings works ------------
 
-    def _alias(self) -> str:
-        return validate_alias(self.using if self.using is not None else get_setting("DATABASE"))
+    @property
+    def using(self) -> str:
+        """The database alias: the ``using`` argument, else ``DJANGO_PGLOCK['DATABASE']``."""
+        return str(self._option("database")[0])
 
-    def _option(self, attribute: str) -> tuple[Any, str]:
+    @property
+    def heartbeat_interval(self) -> float:
+        """Seconds between heartbeats (the argument, else the setting)."""
+        return float(self._option("heartbeat_interval")[0])
+
+    @property
+    def alert_after(self) -> float:
+        """Seconds without heartbeat before alert (the argument, else the setting)."""
+        return float(self._option("alert_after")[0])
+
+    @property
+    def stale_after(self) -> float:
+        """Seconds without heartbeat before reclaim (the argument, else the setting)."""
+        return float(self._option("stale_after")[0])
+
+    @property
+    def poll_interval(self) -> float:
+        """Seconds between blocking attempts (the argument, else the setting)."""
+        return float(self._option("poll_interval")[0])
+
+    @property
+    def advisory(self) -> bool:
+        """Whether the advisory path is wanted (the argument, else the setting)."""
+        return bool(self._option("advisory")[0])
+
+    def _alias(self) -> str:
+        return validate_alias(self._option("database")[0])
+
+    def _option(self, argument: str) -> tuple[Any, str]:
         """An argument's value and label, falling back to the setting of that name."""
-        value = getattr(self, attribute)
+        value = self._arguments[argument]
         if value is not None:
-            return value, attribute
-        key = attribute.upper()
+            return value, "using" if argument == "database" else argument
+        key = argument.upper()
         return get_setting(key), setting_label(key)
 
     def _thresholds(self) -> Thresholds:

@@ -461,3 +461,22 @@ def test_grants_commit_durably_and_heartbeats_do_not_wait_for_the_flush(db):
     assert conn.durable_commit == server_default
     assert conn.execute("SHOW synchronous_commit", {}) == [("off",)]
     lease.release()
+
+
+def test_lock_options_default_to_the_settings_read_lazily():
+    from django.test import override_settings
+
+    lock = Lock("defaults")
+    assert (lock.using, lock.heartbeat_interval, lock.alert_after, lock.stale_after) == (
+        "default",
+        10.0,
+        30.0,
+        600.0,
+    )
+    assert (lock.poll_interval, lock.advisory) == (0.5, True)
+    with override_settings(DJANGO_PGLOCK={"STALE_AFTER": 900.0, "ADVISORY": False}):
+        assert lock.stale_after == 900.0 and lock.advisory is False
+        lease = lock.try_acquire()
+        assert lease.stale_after == 900.0 and lease.advisory is False
+        lease.release()
+    assert Lock("explicit", stale_after=120.0).stale_after == 120.0
