@@ -80,6 +80,14 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
                 id="django_pglock.E005",
             )
         )
+    if not isinstance(values["RECORD_RUNS"], bool):
+        errors.append(
+            Error(
+                f"{SETTING_NAME}['RECORD_RUNS'] = {values['RECORD_RUNS']!r} is not a bool.",
+                hint="Use True (keep a run history) or False.",
+                id="django_pglock.E010",
+            )
+        )
     alias = values["DATABASE"]
     if not isinstance(alias, str) or alias not in settings.DATABASES:
         errors.append(

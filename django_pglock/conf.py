@@ -22,6 +22,7 @@ DEFAULTS: dict[str, Any] = {
     "ADVISORY": True,
     "DATABASE": "default",
     "METRICS": None,
+    "RECORD_RUNS": True,
 }
 
 

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
-from .conf import check_seconds
+from .conf import check_seconds, get_setting
 from .lock import Lock, validate_name
 from .schedule import ScheduleSlot
 
@@ -45,6 +45,7 @@ class _SingletonJob:
         blocking: bool,
         timeout: float | None,
         schedule: str | None,
+        record: bool | None,
         lock_options: dict[str, Any],
     ) -> None:
         if name is not None:
@@ -69,6 +70,9 @@ class _SingletonJob:
             check_seconds("timeout", timeout, allow_zero=True)
         if schedule is not None:
             ScheduleSlot(schedule, name or "validation", using=lock_options.get("using"))
+        if record is not None and not isinstance(record, bool):
+            raise ValueError(f"record={record!r} must be True, False or None (from settings).")
+        self.record = record
         self.schedule = schedule
         self.name = name
         self.key = key
@@ -94,7 +98,8 @@ class _SingletonJob:
                 lock_name = type(args[0]).__module__.rsplit(".", 1)[-1]
             else:
                 lock_name = default
-            return Lock(lock_name, **self.lock_options)
+            record = self.record if self.record is not None else get_setting("RECORD_RUNS")
+            return Lock(lock_name, record=bool(record), **self.lock_options)
 
         def report(args: tuple[Any, ...], why: str) -> None:
             if args and _is_command(args[0]):
@@ -107,6 +112,8 @@ class _SingletonJob:
 
         def skipped(lock: Lock, args: tuple[Any, ...], holder: dict[str, Any] | None) -> None:
             report(args, f"lock {lock.name!r} is held by {_describe(holder)}")
+            if lock.record:
+                lock._record_skipped()
 
         def first_in_slot(lock: Lock, args: tuple[Any, ...]) -> bool:
             if self.schedule is None:
@@ -166,6 +173,7 @@ def singleton_job(
     blocking: bool = False,
     timeout: float | None = None,
     schedule: str | None = None,
+    record: bool | None = None,
     **lock_options: Any,
 ) -> Callable[[F], F]: ...
 
@@ -177,6 +185,7 @@ def singleton_job(
     blocking: bool = False,
     timeout: float | None = None,
     schedule: str | None = None,
+    record: bool | None = None,
     **lock_options: Any,
 ) -> Any:
     """Run the decorated function on at most one machine at a time.
@@ -188,10 +197,12 @@ def singleton_job(
     and a management command writes one line to stderr and exits 0. ``blocking=True``
     waits instead (up to ``timeout`` seconds). ``schedule="0 3 * * *"`` also runs the
     body at most once per cron slot (computed from the database clock; needs the
-    ``schedule`` extra), however many hosts fire it. Other keyword arguments (``using``,
+    ``schedule`` extra), however many hosts fire it. Each run is recorded in the run
+    history (``JobRun``) unless ``record=False`` or ``DJANGO_PGLOCK['RECORD_RUNS']`` is
+    false. Other keyword arguments (``using``,
     thresholds, ``poll_interval``, ``advisory``, ``metrics``, ``description``) go to
     :class:`~django_pglock.Lock`. Works on ``async def`` functions too.
     """
     if callable(name) and not isinstance(name, str):
-        return _SingletonJob(None, key, blocking, timeout, schedule, lock_options)(name)
-    return _SingletonJob(name, key, blocking, timeout, schedule, lock_options)
+        return _SingletonJob(None, key, blocking, timeout, schedule, record, lock_options)(name)
+    return _SingletonJob(name, key, blocking, timeout, schedule, record, lock_options)

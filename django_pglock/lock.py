@@ -79,6 +79,7 @@ class Lease:
         advisory: bool,
         sent: float,
         thresholds: Thresholds,
+        run_id: int | None = None,
     ) -> None:
         self.name = lock.name
         self.token = token
@@ -108,6 +109,10 @@ class Lease:
         self._release_lock = threading.Lock()
         self._done = False  # released, or given up after loss
         self._on_lost: list[Callable[[Lease], None]] = []
+        self._run_id = run_id  # the JobRun row of a recorded run
+        self._outcome = "succeeded"
+        #: Exit status of the wrapped program, recorded in the run history (locked_run).
+        self.exit_code: int | None = None
 
     def __repr__(self) -> str:
         state = "lost" if self._lost_reason else "released" if self._done else "held"
@@ -196,6 +201,10 @@ class Lease:
         tb: TracebackType | None,
     ) -> None:
         lost = self.lost
+        if lost:
+            self._outcome = "lost"
+        elif exc_type is not None:
+            self._outcome = "failed"
         try:
             self.release()
         except LockError as error:
@@ -320,13 +329,20 @@ class Lease:
 
     def _try_delete(self) -> None:
         unlock = self._claim_key()
+        if self._run_id is None:
+            statement = sql.RELEASE_GUARDED if self._guarded else sql.RELEASE
+        else:
+            statement = sql.RELEASE_GUARDED_RECORDED if self._guarded else sql.RELEASE_RECORDED
         rows = self._conn.execute(
-            sql.RELEASE_GUARDED if self._guarded else sql.RELEASE,
+            statement,
             {
                 "name": self.name,
                 "token": self.token,
                 "advisory": unlock,
                 "key": self._key,
+                "run_id": self._run_id,
+                "outcome": self._outcome,
+                "exit_code": self.exit_code,
             },
         )
         deleted, present, _ = rows[0]
@@ -399,6 +415,7 @@ class Lock:
         advisory: bool | None = None,
         metrics: Any = None,
         description: str | None = None,
+        record: bool = False,
     ) -> None:
         self.name = validate_name(name)
         for label, value in (
@@ -424,7 +441,10 @@ class Lock:
             "poll_interval": poll_interval,
             "advisory": advisory,
         }
+        if not isinstance(record, bool):
+            raise ValueError(f"record={record!r} must be True or False.")
         self.metrics = metrics
+        self.record = record
         self.description = None if description is None else redact(description)
         if heartbeat_interval is not None and alert_after is not None and stale_after is not None:
             validate_thresholds(heartbeat_interval, alert_after, stale_after)
@@ -492,6 +512,23 @@ class Lock:
         if not isinstance(wanted, bool):
             raise ImproperlyConfigured(f"{label} = {wanted!r} must be True or False.")
         return wanted and not conn.pooled
+
+    def _record_skipped(self) -> None:
+        """Add a ``skipped`` run to the history (for a recorded job that did not run)."""
+        identity = current()
+        get_connection(self._alias()).execute(
+            sql.RECORD_SKIPPED,
+            {
+                "name": self.name,
+                "holder": identity.holder,
+                "host": identity.host,
+                "pid": identity.pid,
+                "description": self._description(),
+            },
+        )
+
+    def _description(self) -> str:
+        return self.description if self.description is not None else default_description()
 
     def _hooks(self) -> tuple[Any, ...]:
         try:
@@ -577,15 +614,13 @@ class Lock:
         use_advisory = self._use_advisory(conn)
         sent = time.monotonic()
         rows = conn.execute(
-            sql.ACQUIRE,
+            sql.ACQUIRE_RECORDED if self.record else sql.ACQUIRE,
             {
                 "name": self.name,
                 "holder": identity.holder,
                 "host": identity.host,
                 "pid": identity.pid,
-                "description": self.description
-                if self.description is not None
-                else default_description(),
+                "description": self._description(),
                 "heartbeat_interval": thresholds.heartbeat_interval,
                 "alert_after": thresholds.alert_after,
                 "stale_after": thresholds.stale_after,
@@ -610,6 +645,7 @@ class Lock:
             _prev_stale_after,
             prev_stale,
             _unlocked,
+            run_id,
         ) = rows[0]
         if prev_token is None and token is None:
             # Refused by a holder that committed after this statement's snapshot: one
@@ -644,7 +680,7 @@ class Lock:
                 )
                 call_metrics(self._hooks(), "alert", self.name, prev_age)
             return None, previous
-        lease = Lease(self, conn, token, acquired_at, bool(advisory), sent, thresholds)
+        lease = Lease(self, conn, token, acquired_at, bool(advisory), sent, thresholds, run_id)
         conn.note_backend_pid(int(backend_pid))
         if lease.advisory and conn.pooled:
             conn.execute(sql.DISABLE_ADVISORY, {"tokens": [token]})

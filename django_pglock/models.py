@@ -64,3 +64,39 @@ class ScheduleClaim(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} @ {self.slot.isoformat()}"
+
+
+class JobRun(models.Model):
+    """One run of a job under ``@singleton_job`` or ``locked_run``: the run history.
+
+    Written by the lock engine in the same statements as acquire and release; a skipped
+    run is one row with outcome ``skipped``. Prune old rows with ``manage.py pglock_prune``.
+    """
+
+    class Outcome(models.TextChoices):
+        RUNNING = "running", "running"
+        SUCCEEDED = "succeeded", "succeeded"
+        FAILED = "failed", "failed"
+        LOST = "lost", "lost"
+        SKIPPED = "skipped", "skipped"
+
+    name = models.CharField(max_length=255)
+    token = models.BigIntegerField(null=True, blank=True, help_text="Fencing token of the run.")
+    holder = models.CharField(max_length=255)
+    host = models.CharField(max_length=255)
+    pid = models.IntegerField()
+    description = models.TextField(blank=True)
+    started_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+    duration = models.FloatField(null=True, blank=True, help_text="Seconds, by the database clock.")
+    outcome = models.CharField(max_length=16, choices=Outcome.choices)
+    exit_code = models.IntegerField(null=True, blank=True, help_text="For locked_run.")
+
+    class Meta:
+        db_table = "django_pglock_jobrun"
+        verbose_name = "job run"
+        ordering = ["-started_at"]
+        indexes = [models.Index(fields=["name", "-started_at"], name="django_pglock_run_name_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.outcome} at {self.started_at.isoformat(timespec='seconds')}"

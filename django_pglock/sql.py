@@ -13,17 +13,25 @@ import hashlib
 
 __all__ = [
     "ACQUIRE",
+    "ACQUIRE_RECORDED",
     "CHECK",
     "CLAIM_SLOT",
     "DISABLE_ADVISORY",
     "FORCE_RELEASE",
     "GUARD",
     "HEARTBEAT",
+    "HEARTBEAT_AGE_EXPRESSION",
     "HOLDER",
     "NOW",
+    "PRUNE_CLAIMS",
+    "PRUNE_RUNS",
+    "RECORD_SKIPPED",
     "RELEASE",
     "RELEASE_GUARDED",
+    "RELEASE_GUARDED_RECORDED",
+    "RELEASE_RECORDED",
     "SESSION_SETUP",
+    "STATE_EXPRESSION",
     "STATUS",
     "UNLOCK",
     "advisory_key",
@@ -49,6 +57,7 @@ def advisory_key(name: str) -> int:
 
 
 _T = quote_name(TABLE)
+_RUNS = quote_name("django_pglock_jobrun")
 
 # Reclaimable: no heartbeat for the row's own stale_after by the database clock; or the
 # holder declared the advisory path, is another session, and its key was free for us to
@@ -59,6 +68,7 @@ _RECLAIMABLE = """(
     OR ({j}.advisory AND {j}.backend_pid <> pg_backend_pid() AND (SELECT held FROM key))
 )"""
 
+
 # Acquire in one statement. `cur` reads the current row from the snapshot (no lock);
 # `key` tries the advisory key (session-level) once; `grab` locks the row FOR UPDATE
 # SKIP LOCKED only when it is reclaimable (a guarded row is skipped, never waited for);
@@ -67,7 +77,10 @@ _RECLAIMABLE = """(
 # refused attempt gives the key back in the same statement: every outcome is one round
 # trip, and a refusal writes nothing. A grant commits with the server's own
 # synchronous_commit (the session default is off, see SESSION_SETUP).
-ACQUIRE = f"""
+def _acquire(record: bool) -> str:
+    run = _RUN_STARTED if record else ""
+    run_id = "(SELECT id FROM run)" if record else "NULL::bigint"
+    return f"""
 WITH cur AS (
     SELECT c.token, c.holder, c.host, c.pid, c.acquired_at, c.description,
            extract(epoch FROM now() - c.last_heartbeat)::float8 AS age,
@@ -99,13 +112,26 @@ WITH cur AS (
         advisory = EXCLUDED.advisory
     WHERE EXISTS (SELECT 1 FROM grab) AND {_RECLAIMABLE.format(j="j")}
     RETURNING j.token, j.acquired_at, j.advisory, j.backend_pid
-)
+){run}
 SELECT ins.token, ins.acquired_at, ins.advisory, ins.backend_pid,
        cur.token, cur.holder, cur.host, cur.pid, cur.acquired_at, cur.description,
        cur.age, cur.alert_after, cur.stale_after, grab.stale,
-       CASE WHEN ins.token IS NULL AND key.held THEN pg_advisory_unlock(%(key)s) END
+       CASE WHEN ins.token IS NULL AND key.held THEN pg_advisory_unlock(%(key)s) END,
+       {run_id}
 FROM key LEFT JOIN ins ON true LEFT JOIN cur ON true LEFT JOIN grab ON true
 """
+
+
+# With run history: the grant also starts a JobRun row, in the same statement.
+_RUN_STARTED = f""", run AS (
+    INSERT INTO {_RUNS} (name, token, holder, host, pid, description, started_at, outcome)
+    SELECT %(name)s, ins.token, %(holder)s, %(host)s, %(pid)s, %(description)s, now(), 'running'
+    FROM ins
+    RETURNING id
+)"""
+
+ACQUIRE = _acquire(record=False)
+ACQUIRE_RECORDED = _acquire(record=True)
 
 # Heartbeat every lease of this process on one alias in one statement, scoped by
 # (name, token). Rows locked by someone else right now (a reclaim or delete in flight)
@@ -129,20 +155,15 @@ LEFT JOIN beat ON beat.token = mine.token
 LEFT JOIN {_T} s ON s.name = mine.name AND s.token = mine.token
 """
 
-# Release a lease that was never guarded: delete our row (scoped by token) and give the
-# advisory key back, in one statement. Nothing can hold the row for long but a guard.
-RELEASE = f"""
-WITH del AS (
-    DELETE FROM {_T} WHERE name = %(name)s AND token = %(token)s RETURNING token
-)
-SELECT EXISTS (SELECT 1 FROM del) AS deleted, false AS present,
-       CASE WHEN %(advisory)s THEN pg_advisory_unlock(%(key)s) END
-"""
 
-# Release a lease that was guarded: as RELEASE, unless a guarded transaction still holds
-# the row: then nothing changes and `present` says to retry once it has ended.
-RELEASE_GUARDED = f"""
-WITH target AS MATERIALIZED (
+# Release: delete our row (scoped by token) and give the advisory key back, in one
+# statement. A lease that was guarded skips a row still locked by the guarded
+# transaction (FOR UPDATE SKIP LOCKED) instead of waiting for it: then nothing changes,
+# `present` says so, and the caller retries once that transaction has ended. Nothing
+# but a guard holds our row for long, so an unguarded release deletes directly.
+def _release(guarded: bool, record: bool) -> str:
+    if guarded:
+        target = f"""target AS MATERIALIZED (
     SELECT t.name FROM {_T} t WHERE t.name = %(name)s AND t.token = %(token)s
     FOR UPDATE SKIP LOCKED
 ), del AS (
@@ -150,10 +171,55 @@ WITH target AS MATERIALIZED (
     RETURNING j.token
 ), still AS (
     SELECT 1 FROM {_T} s WHERE s.name = %(name)s AND s.token = %(token)s
-)
-SELECT EXISTS (SELECT 1 FROM del) AS deleted, EXISTS (SELECT 1 FROM still) AS present,
-       CASE WHEN %(advisory)s AND (EXISTS (SELECT 1 FROM del) OR NOT EXISTS (SELECT 1 FROM still))
-            THEN pg_advisory_unlock(%(key)s) END
+)"""
+        present = "EXISTS (SELECT 1 FROM still)"
+        settled = "(EXISTS (SELECT 1 FROM del) OR NOT EXISTS (SELECT 1 FROM still))"
+    else:
+        target = f"""del AS (
+    DELETE FROM {_T} WHERE name = %(name)s AND token = %(token)s RETURNING token
+)"""
+        present, settled = "false", "true"
+    # With run history: finish the JobRun row once the release is settled. A run whose
+    # row was already gone was lost, whatever its body did.
+    run = (
+        f""", run AS (
+    UPDATE {_RUNS} SET finished_at = now(),
+        duration = extract(epoch FROM now() - started_at)::float8,
+        outcome = CASE WHEN EXISTS (SELECT 1 FROM del) THEN %(outcome)s ELSE 'lost' END,
+        exit_code = %(exit_code)s
+    WHERE id = %(run_id)s AND {settled}
+)"""
+        if record
+        else ""
+    )
+    return f"""
+WITH {target}{run}
+SELECT EXISTS (SELECT 1 FROM del) AS deleted, {present} AS present,
+       CASE WHEN %(advisory)s AND {settled} THEN pg_advisory_unlock(%(key)s) END
+"""
+
+
+RELEASE = _release(guarded=False, record=False)
+RELEASE_GUARDED = _release(guarded=True, record=False)
+RELEASE_RECORDED = _release(guarded=False, record=True)
+RELEASE_GUARDED_RECORDED = _release(guarded=True, record=True)
+
+# A skipped run of a recorded job: one finished row.
+RECORD_SKIPPED = f"""
+INSERT INTO {_RUNS} (name, holder, host, pid, description, started_at, finished_at, duration,
+                     outcome)
+VALUES (%(name)s, %(holder)s, %(host)s, %(pid)s, %(description)s, now(), now(), 0, 'skipped')
+"""
+
+# Pruning: run history and schedule claims older than the cutoff (database clock).
+PRUNE_RUNS = f"""
+DELETE FROM {_RUNS} WHERE coalesce(finished_at, started_at) < now() - %(age)s * interval '1 second'
+RETURNING 1
+"""
+PRUNE_CLAIMS = f"""
+DELETE FROM {quote_name("django_pglock_scheduleclaim")}
+WHERE claimed_at < now() - %(age)s * interval '1 second'
+RETURNING 1
 """
 
 # Behind a transaction-mode pooler: stop declaring the advisory path on our rows, so
@@ -185,14 +251,20 @@ WHERE name = %(name)s AND (%(token)s::bigint IS NULL OR token = %(token)s::bigin
 RETURNING name, token, holder, host, pid, acquired_at
 """
 
-# Status of every lock, judged by the database clock against each row's thresholds.
+# A lock's state, judged by the database clock against the row's own thresholds; shared
+# by STATUS (pglock_status) and the admin's annotations.
+STATE_EXPRESSION = """CASE
+    WHEN now() - last_heartbeat > stale_after * interval '1 second' THEN 'stale'
+    WHEN now() - last_heartbeat > alert_after * interval '1 second' THEN 'alert'
+    ELSE 'ok' END"""
+HEARTBEAT_AGE_EXPRESSION = "extract(epoch FROM now() - last_heartbeat)::float8"
+
+# Status of every lock.
 STATUS = f"""
 SELECT name, token, holder, host, pid, acquired_at, last_heartbeat,
-       extract(epoch FROM now() - last_heartbeat)::float8 AS heartbeat_age,
+       {HEARTBEAT_AGE_EXPRESSION} AS heartbeat_age,
        heartbeat_interval, alert_after, stale_after, advisory, description,
-       CASE WHEN now() - last_heartbeat > stale_after * interval '1 second' THEN 'stale'
-            WHEN now() - last_heartbeat > alert_after * interval '1 second' THEN 'alert'
-            ELSE 'ok' END AS state
+       {STATE_EXPRESSION} AS state
 FROM {_T}
 ORDER BY acquired_at DESC, name
 """

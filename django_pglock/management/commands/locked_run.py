@@ -22,6 +22,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management import get_commands
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from django_pglock.conf import get_setting
 from django_pglock.exceptions import LockNotHeld
 from django_pglock.identity import redact
 from django_pglock.lock import Lease, Lock
@@ -95,6 +96,11 @@ class Command(BaseCommand):
             help="Exit status when skipped because the lock is held (default 0).",
         )
         parser.add_argument(
+            "--no-record",
+            action="store_true",
+            help="Do not record this run in the run history (JobRun).",
+        )
+        parser.add_argument(
             "--schedule",
             default=None,
             help='Cron expression (e.g. "0 3 * * *"): run at most once per schedule slot, '
@@ -120,12 +126,13 @@ class Command(BaseCommand):
             "poll_interval": options["poll_interval"],
             "description": "locked_run " + " ".join(argv),
         }
+        record = not options["no_record"] and get_setting("RECORD_RUNS") is True
         try:
             name = options["name"] or default_name
             slot = None
             if options["schedule"]:
                 slot = ScheduleSlot(options["schedule"], name, using=options["database"])
-            lock = Lock(name, **lock_options)
+            lock = Lock(name, record=record, **lock_options)
             lock._thresholds()  # settings and arguments together must be in order
             acquisition = lock.acquire(blocking=options["wait"], timeout=options["timeout"])
         except (ValueError, ImproperlyConfigured) as exc:
@@ -142,6 +149,8 @@ class Command(BaseCommand):
                     holder = acquisition.holder
                     who = holder["holder"] if holder else "another process"
                     self.stderr.write(f"Skipped {shown!r}: lock {name!r} is held by {who}.")
+                    if record:
+                        lock._record_skipped()
                 elif slot is not None and not slot.claim():
                     self.stderr.write(
                         f"Skipped {shown!r}: schedule slot {slot.slot_label} of {name!r} "
@@ -149,6 +158,9 @@ class Command(BaseCommand):
                     )
                 else:
                     code = self._supervise(lease, child_argv, options)
+                    lease.exit_code = code
+                    if code != 0:
+                        lease._outcome = "lost" if self.terminated else "failed"
         except LockNotHeld as exc:
             if not self.terminated:  # --on-lost continue let the child finish
                 self.stderr.write(f"{exc} The command's own exit status is kept.")

@@ -1,0 +1,207 @@
+"""Admin pages: who holds what and whether it looks alive, forced release, run history."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from django.contrib import admin, messages
+from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
+from django.db.models import QuerySet
+from django.db.models.expressions import RawSQL
+from django.http import HttpRequest, HttpResponse
+from django.template.response import TemplateResponse
+from django.utils.html import format_html
+
+from . import sql
+from .models import JobLock, JobRun
+from .operations import force_release
+
+if TYPE_CHECKING:  # ModelAdmin is generic for type checkers only
+    JobLockAdminBase = admin.ModelAdmin[JobLock]
+    JobRunAdminBase = admin.ModelAdmin[JobRun]
+else:
+    JobLockAdminBase = JobRunAdminBase = admin.ModelAdmin
+
+STATE_COLOURS = {"ok": "#2e7d32", "alert": "#e65100", "stale": "#c62828"}
+OUTCOME_COLOURS = {
+    "succeeded": "#2e7d32",
+    "running": "#1565c0",
+    "skipped": "#616161",
+    "failed": "#c62828",
+    "lost": "#e65100",
+}
+
+
+def _badge(word: str, colour: str) -> str:
+    """The word itself, coloured: readable with or without colour."""
+    return format_html(
+        '<span style="color:#fff;background:{};padding:1px 8px;border-radius:8px;'
+        'font-weight:bold">{}</span>',
+        colour,
+        word,
+    )
+
+
+class StateFilter(admin.SimpleListFilter):
+    title = "state"
+    parameter_name = "state"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("ok", "ok"), ("alert", "alert"), ("stale", "stale")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value():
+            return queryset.filter(state=self.value())
+        return queryset
+
+
+@admin.register(JobLock)
+class JobLockAdmin(JobLockAdminBase):
+    """Read-only holders page. State and heartbeat age come from the database clock."""
+
+    list_display = (
+        "name",
+        "state_badge",
+        "heartbeat_age_display",
+        "holder_display",
+        "acquired_at",
+        "token",
+        "description",
+    )
+    list_filter = (StateFilter,)
+    search_fields = ("name", "host")
+    ordering = ("-acquired_at",)
+    actions = ["force_release"]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[JobLock]:
+        return (
+            super()
+            .get_queryset(request)
+            .annotate(
+                state=RawSQL(sql.STATE_EXPRESSION, ()),
+                heartbeat_age=RawSQL(sql.HEARTBEAT_AGE_EXPRESSION, ()),
+            )
+        )
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # releasing goes through the force-release action only
+
+    def has_force_release_permission(self, request: HttpRequest) -> bool:
+        return request.user.has_perm("django_pglock.force_release_joblock")
+
+    @admin.display(description="state", ordering="state")
+    def state_badge(self, obj: Any) -> str:
+        return _badge(obj.state, STATE_COLOURS[obj.state])
+
+    @admin.display(description="heartbeat age", ordering="-last_heartbeat")
+    def heartbeat_age_display(self, obj: Any) -> str:
+        return f"{obj.heartbeat_age:.1f} s"
+
+    @admin.display(description="holder", ordering="host")
+    def holder_display(self, obj: JobLock) -> str:
+        return f"{obj.host}:{obj.pid}"
+
+    @admin.action(permissions=["force_release"], description="Force release selected locks")
+    def force_release(
+        self, request: HttpRequest, queryset: QuerySet[JobLock]
+    ) -> HttpResponse | None:
+        if not self.has_force_release_permission(request):  # pragma: no cover - Django checks
+            self.message_user(request, "You may not force-release locks.", messages.ERROR)
+            return None
+        if request.POST.get("post") != "yes":
+            context = {
+                **self.admin_site.each_context(request),
+                "title": "Force release: are you sure?",
+                "opts": self.model._meta,
+                "locks": list(queryset),
+                "action_checkbox_name": ACTION_CHECKBOX_NAME,
+            }
+            return TemplateResponse(
+                request, "admin/django_pglock/joblock/force_release_confirmation.html", context
+            )
+        # Release exactly the grants the confirmation page showed: a lock that changed
+        # hands since then is left alone.
+        selected = set(request.POST.getlist(ACTION_CHECKBOX_NAME))
+        names, tokens = request.POST.getlist("lock_name"), request.POST.getlist("lock_token")
+        if len(names) != len(tokens):
+            self.message_user(request, "The confirmation form was incomplete.", messages.ERROR)
+            return None
+        seen = dict(zip(names, tokens, strict=True))
+        for name in sorted(selected):
+            token_text = seen.get(name, "")
+            if not token_text.isdigit():
+                continue
+            released = force_release(name, token=int(token_text), using=queryset.db)
+            if released is None:
+                self.message_user(
+                    request,
+                    f"Lock {name!r} changed hands or was released since the confirmation page "
+                    f"showed token {token_text}; nothing was released.",
+                    messages.WARNING,
+                )
+                continue
+            holder = f"{released['host']}:{released['pid']} ({released['holder']})"
+            message = f"Force-released lock {name!r} held by {holder}, token {released['token']}."
+            self.log_change(request, JobLock(name=name, token=released["token"]), message)
+            self.message_user(request, message, messages.SUCCESS)
+        return None
+
+
+class LastSuccessFilter(admin.SimpleListFilter):
+    title = "show"
+    parameter_name = "show"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("last-success", "Last successful run of each job")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() == "last-success":
+            latest = (
+                JobRun.objects.using(queryset.db)
+                .filter(outcome=JobRun.Outcome.SUCCEEDED)
+                .order_by("name", "-started_at")
+                .distinct("name")
+                .values("pk")
+            )
+            return queryset.filter(pk__in=latest)
+        return queryset
+
+
+@admin.register(JobRun)
+class JobRunAdmin(JobRunAdminBase):
+    """Read-only run history of @singleton_job and locked_run."""
+
+    list_display = (
+        "name",
+        "outcome_badge",
+        "started_at",
+        "finished_at",
+        "duration_display",
+        "exit_code",
+        "holder",
+        "token",
+    )
+    list_filter = (LastSuccessFilter, "outcome", "name")
+    search_fields = ("name", "host", "holder")
+    date_hierarchy = "started_at"
+    ordering = ("-started_at",)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    @admin.display(description="outcome", ordering="outcome")
+    def outcome_badge(self, obj: JobRun) -> str:
+        return _badge(obj.outcome, OUTCOME_COLOURS.get(obj.outcome, "#616161"))
+
+    @admin.display(description="duration", ordering="duration")
+    def duration_display(self, obj: JobRun) -> str:
+        return "" if obj.duration is None else f"{obj.duration:.1f} s"

@@ -1,0 +1,49 @@
+"""``manage.py pglock_prune --older-than 30d``: forget old run history."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from django_pglock import sql
+from django_pglock.conf import get_setting
+from django_pglock.connection import get_connection, validate_alias
+
+UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_age(text: str) -> float:
+    """``"30d"`` → seconds; units s, m, h, d, w."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text)
+    if not match or float(match.group(1)) <= 0:
+        raise CommandError(
+            f"--older-than {text!r} is not an age; use a number and a unit, such as 30d, "
+            "12h or 90m (units: s, m, h, d, w).",
+            returncode=2,
+        )
+    return float(match.group(1)) * UNITS[match.group(2)]
+
+
+class Command(BaseCommand):
+    help = "Delete run history (JobRun) and schedule claims older than --older-than."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("--older-than", required=True, help="Age such as 30d, 12h or 90m.")
+        parser.add_argument("--database", default=None, help="Database alias (default: setting).")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        age = parse_age(options["older_than"])
+        try:
+            alias = validate_alias(options["database"] or get_setting("DATABASE"))
+        except ImproperlyConfigured as exc:
+            raise CommandError(str(exc), returncode=2) from None
+        conn = get_connection(alias)
+        runs = conn.execute(sql.PRUNE_RUNS, {"age": age})
+        claims = conn.execute(sql.PRUNE_CLAIMS, {"age": age})
+        self.stdout.write(
+            f"Deleted {len(runs)} run(s) and {len(claims)} schedule claim(s) older than "
+            f"{options['older_than'].strip()}."
+        )
