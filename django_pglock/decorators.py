@@ -81,6 +81,11 @@ class _SingletonJob:
         self.lock_options = lock_options
 
     def __call__(self, func: F) -> F:
+        if hasattr(func, "enqueue") and callable(getattr(func, "func", None)):
+            raise ValueError(
+                f"singleton_job got the task {func!r}; put @task above @singleton_job, so "
+                "that the body runs under the lock when a worker executes the task."
+            )
         if not callable(func):
             raise ValueError(f"singleton_job can only decorate a callable, not {func!r}.")
         if inspect.isgeneratorfunction(func) or inspect.isasyncgenfunction(func):
