@@ -30,11 +30,15 @@ logger = logging.getLogger("django_pglock")
 
 STATEMENT_TIMEOUT = "30s"
 LOCK_TIMEOUT = "5s"
+# A dead or partitioned server is noticed within about 25 s even with a statement in
+# flight (libpq ignores these on Unix sockets); the holder's own monotonic deadline
+# covers the rest. Options set in DATABASES[alias]["OPTIONS"] win.
 _KEEPALIVES = {
     "keepalives": 1,
     "keepalives_idle": 10,
     "keepalives_interval": 5,
     "keepalives_count": 3,
+    "tcp_user_timeout": 10000,
 }
 # Keys of Django's connection params that are not libpq parameters.
 _NOT_LIBPQ = ("cursor_factory", "context", "prepare_threshold", "row_factory", "autocommit")

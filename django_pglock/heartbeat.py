@@ -10,6 +10,7 @@ transaction to end.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -163,8 +164,8 @@ class Registry:
                     self._failing.add(alias)
                     for lease in live:
                         lease._check_session(conn)
-                self._last_beat[alias] = time.monotonic()
-                due = self._last_beat[alias] + interval
+                self._last_beat[alias] = now  # keep the cadence: count from the start
+                due = now + interval
             wake_at = min(wake_at, due)
         return max(0.0, wake_at - time.monotonic())
 
@@ -220,6 +221,23 @@ def _hung_up(
 
 _registry: Registry | None = None
 _registry_lock = threading.Lock()
+
+
+def release_all_at_exit() -> None:
+    """At interpreter exit, release what this process still holds.
+
+    A lease that was never released would otherwise keep its name until its session
+    ends (advisory path) or until ``stale_after`` (table path).
+    """
+    held = _registry
+    if held is None or held.pid != os.getpid():
+        return
+    for lease in held.leases():
+        with contextlib.suppress(Exception):
+            lease.release()
+
+
+atexit.register(release_all_at_exit)
 
 
 def registry() -> Registry:

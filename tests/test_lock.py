@@ -480,3 +480,22 @@ def test_lock_options_default_to_the_settings_read_lazily():
         assert lease.stale_after == 900.0 and lease.advisory is False
         lease.release()
     assert Lock("explicit", stale_after=120.0).stale_after == 120.0
+
+
+def test_a_process_that_exits_without_releasing_frees_its_locks(db, child_env):
+    """A table-only lease would otherwise block the name until stale_after."""
+    import subprocess
+    import sys
+
+    code = (
+        "import django; django.setup()\n"
+        "from django_pglock import Lock\n"
+        "lease = Lock('forgotten', advisory=False).try_acquire()\n"
+        "print(lease.token, flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=child_env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.split()[0]) > 0
+    assert row(db, "forgotten") is None

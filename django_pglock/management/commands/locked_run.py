@@ -204,7 +204,9 @@ class Command(BaseCommand):
         previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
         try:
             while child.poll() is None:
-                if lost.wait(0.05):
+                # lease.lost also turns true at the local deadline, even while the
+                # heartbeat thread is stuck on an unresponsive server.
+                if lost.wait(0.05) or lease.lost:
                     if options["on_lost"] == "continue":
                         self.stderr.write(
                             f"Lock {lease.name!r} was lost; the command goes on "
