@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Any
+from typing import Any, Generic, TypeVar, overload
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
@@ -394,6 +394,29 @@ class _Waiter:
         return delay
 
 
+T = TypeVar("T")
+
+
+class _Option(Generic[T]):
+    """A ``Lock`` option: its constructor argument, else the ``DJANGO_PGLOCK`` setting."""
+
+    def __init__(self, argument: str, kind: Callable[[Any], T], doc: str) -> None:
+        self.argument = argument
+        self.kind = kind
+        self.__doc__ = f"{doc} The argument, else the setting, read at each use."
+
+    @overload
+    def __get__(self, lock: None, owner: type[Lock]) -> _Option[T]: ...
+
+    @overload
+    def __get__(self, lock: Lock, owner: type[Lock]) -> T: ...
+
+    def __get__(self, lock: Lock | None, owner: type[Lock]) -> _Option[T] | T:
+        if lock is None:
+            return self
+        return self.kind(lock._option(self.argument)[0])
+
+
 class Lock:
     """A named lock, held by at most one process at a time across all machines.
 
@@ -456,35 +479,12 @@ class Lock:
 
     # -- configuration, resolved at acquire time so override_settings works ------------
 
-    @property
-    def using(self) -> str:
-        """The database alias: the ``using`` argument, else ``DJANGO_PGLOCK['DATABASE']``."""
-        return str(self._option("database")[0])
-
-    @property
-    def heartbeat_interval(self) -> float:
-        """Seconds between heartbeats (the argument, else the setting)."""
-        return float(self._option("heartbeat_interval")[0])
-
-    @property
-    def alert_after(self) -> float:
-        """Seconds without heartbeat before alert (the argument, else the setting)."""
-        return float(self._option("alert_after")[0])
-
-    @property
-    def stale_after(self) -> float:
-        """Seconds without heartbeat before reclaim (the argument, else the setting)."""
-        return float(self._option("stale_after")[0])
-
-    @property
-    def poll_interval(self) -> float:
-        """Seconds between blocking attempts (the argument, else the setting)."""
-        return float(self._option("poll_interval")[0])
-
-    @property
-    def advisory(self) -> bool:
-        """Whether the advisory path is wanted (the argument, else the setting)."""
-        return bool(self._option("advisory")[0])
+    using = _Option[str]("database", str, "The database alias.")
+    heartbeat_interval = _Option[float]("heartbeat_interval", float, "Seconds between heartbeats.")
+    alert_after = _Option[float]("alert_after", float, "Seconds without heartbeat before alert.")
+    stale_after = _Option[float]("stale_after", float, "Seconds without heartbeat before reclaim.")
+    poll_interval = _Option[float]("poll_interval", float, "Seconds between blocking attempts.")
+    advisory = _Option[bool]("advisory", bool, "Whether the advisory path is wanted.")
 
     def _alias(self) -> str:
         return validate_alias(self._option("database")[0])
