@@ -145,11 +145,12 @@ class LockConnection:
                     f"A lock statement failed on database alias {self.alias!r}: {_first_line(exc)}."
                 ) from exc
 
-    def note_backend_pid(self, backend_pid: int) -> None:
+    def note_backend_pid(self, backend_pid: int) -> bool:
         """Compare the server process that ran a statement with this session's.
 
         A different one means a transaction-mode pooler sits in between: session advisory
         locks cannot be trusted there, so the advisory path is switched off for good.
+        Returns ``True`` when this call is the one that found out.
         """
         if self.backend_pid is not None and backend_pid != self.backend_pid and not self.pooled:
             self.pooled = True
@@ -159,6 +160,8 @@ class LockConnection:
                 "off. Set DJANGO_PGLOCK['ADVISORY'] = False for this deployment.",
                 self.alias,
             )
+            return True
+        return False
 
     def fileno(self) -> int | None:
         """The socket of the open session, for the heartbeat thread to watch."""

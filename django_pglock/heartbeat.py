@@ -50,14 +50,24 @@ def beat(conn: LockConnection, leases: list[Lease]) -> None:
     )
     latency = time.monotonic() - sent
     by_token = {lease.token: lease for lease in leases}
-    for token, beaten, present, backend_pid in rows:
-        conn.note_backend_pid(int(backend_pid))
+    if rows and conn.note_backend_pid(int(rows[0][3])):
+        leave_advisory_path(conn, leases)
+    for token, beaten, present, _ in rows:
         lease = by_token[token]
         lease._record_latency(latency)
         if beaten:
             lease._confirm(sent)
         elif not present:
             lease._mark_lost("its row is gone or belongs to another holder", row_gone=True)
+
+
+def leave_advisory_path(conn: LockConnection, leases: list[Lease]) -> None:
+    """A pooler was detected: no row of ours may be judged by its session any longer."""
+    holding = [lease for lease in leases if lease._key_held]
+    if holding:
+        conn.execute(sql.DISABLE_ADVISORY, {"tokens": [lease.token for lease in holding]})
+        for lease in holding:
+            lease._give_back_key()
 
 
 class Registry:

@@ -681,10 +681,11 @@ class Lock:
                 call_metrics(self._hooks(), "alert", self.name, prev_age)
             return None, previous
         lease = Lease(self, conn, token, acquired_at, bool(advisory), sent, thresholds, run_id)
-        conn.note_backend_pid(int(backend_pid))
-        if lease.advisory and conn.pooled:
-            conn.execute(sql.DISABLE_ADVISORY, {"tokens": [token]})
-            lease._give_back_key()
+        if conn.note_backend_pid(int(backend_pid)):
+            # Every lease of this process on the alias leaves the advisory path at once.
+            heartbeat.leave_advisory_path(conn, [*heartbeat.registry().leases(conn.alias), lease])
+        elif lease.advisory and conn.pooled:
+            heartbeat.leave_advisory_path(conn, [lease])
         if previous is not None:
             reason = "stale" if prev_stale else "abandoned"
             send(signals.lock_reclaimed, self, lease=lease, previous=previous, reason=reason)

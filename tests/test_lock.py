@@ -499,3 +499,25 @@ def test_a_process_that_exits_without_releasing_frees_its_locks(db, child_env):
     assert done.returncode == 0, done.stderr
     assert int(done.stdout.split()[0]) > 0
     assert row(db, "forgotten") is None
+
+
+def test_a_transaction_pooler_is_detected_and_the_advisory_path_switched_off(db, caplog):
+    """Behind a transaction-mode pooler, statements run on changing server processes: the
+    connection notices, and rows stop declaring the advisory path (table path only)."""
+    conn = get_connection("default")
+    first = Lock("pooled-1").try_acquire()
+    assert first.advisory and row(db, "pooled-1")[5] is True
+    real_pid, conn.backend_pid = conn.backend_pid, -1  # as if the next statement moved
+    try:
+        second = Lock("pooled-2").try_acquire()
+        assert conn.pooled
+        assert "transaction-mode pooler" in caplog.text
+        assert row(db, "pooled-2")[5] is False  # not judged by a session that is not ours
+        assert row(db, "pooled-1")[5] is False  # nor are the leases held before
+        assert not second._key_held and not first._key_held
+        third = Lock("pooled-3").try_acquire()
+        assert third.advisory is False and row(db, "pooled-3")[5] is False
+    finally:
+        conn.backend_pid, conn.pooled = real_pid, False
+    for lease in (first, second, third):
+        lease.release()
