@@ -115,6 +115,11 @@ class JobLockAdmin(JobLockAdminBase):
             self.message_user(request, "You may not force-release locks.", messages.ERROR)
             return None
         if request.POST.get("post") != "yes":
+            if not queryset.exists():
+                self.message_user(
+                    request, "None of the selected locks is held any more.", messages.WARNING
+                )
+                return None
             context = {
                 **self.admin_site.each_context(request),
                 "title": "Force release: are you sure?",
@@ -137,7 +142,11 @@ class JobLockAdmin(JobLockAdminBase):
             token_text = seen.get(name, "")
             if not token_text.isdigit():
                 continue
-            released = force_release(name, token=int(token_text), using=queryset.db)
+            try:
+                released = force_release(name, token=int(token_text), using=queryset.db)
+            except ValueError as exc:
+                self.message_user(request, str(exc), messages.ERROR)
+                continue
             if released is None:
                 self.message_user(
                     request,
@@ -148,7 +157,8 @@ class JobLockAdmin(JobLockAdminBase):
                 continue
             holder = f"{released['host']}:{released['pid']} ({released['holder']})"
             message = f"Force-released lock {name!r} held by {holder}, token {released['token']}."
-            self.log_change(request, JobLock(name=name, token=released["token"]), message)
+            gone = JobLock(name=name, token=released["token"], holder=released["holder"])
+            self.log_change(request, gone, message)
             self.message_user(request, message, messages.SUCCESS)
         return None
 
@@ -197,6 +207,9 @@ class JobRunAdmin(JobRunAdminBase):
 
     def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # history is read-only; forget old runs with pglock_prune
 
     @admin.display(description="outcome", ordering="outcome")
     def outcome_badge(self, obj: JobRun) -> str:

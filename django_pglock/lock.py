@@ -687,6 +687,8 @@ class Lock:
         elif lease.advisory and conn.pooled:
             heartbeat.leave_advisory_path(conn, [lease])
         if previous is not None:
+            # The previous holder may be dead: finish its run, if it recorded one.
+            conn.execute(sql.FINISH_LOST_RUN, {"name": self.name, "token": prev_token})
             reason = "stale" if prev_stale else "abandoned"
             send(signals.lock_reclaimed, self, lease=lease, previous=previous, reason=reason)
             call_metrics(self._hooks(), "stale_reclaimed", self.name)

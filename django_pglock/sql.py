@@ -17,6 +17,7 @@ __all__ = [
     "CHECK",
     "CLAIM_SLOT",
     "DISABLE_ADVISORY",
+    "FINISH_LOST_RUN",
     "FORCE_RELEASE",
     "GUARD",
     "HEARTBEAT",
@@ -213,8 +214,19 @@ VALUES (%(name)s, %(holder)s, %(host)s, %(pid)s, %(description)s, now(), now(), 
 
 # Pruning: run history and schedule claims older than the cutoff (database clock).
 PRUNE_RUNS = f"""
-DELETE FROM {_RUNS} WHERE coalesce(finished_at, started_at) < now() - %(age)s * interval '1 second'
+DELETE FROM {_RUNS} r
+WHERE coalesce(r.finished_at, r.started_at) < now() - %(age)s * interval '1 second'
+  AND NOT (r.finished_at IS NULL
+           AND EXISTS (SELECT 1 FROM {_T} j WHERE j.name = r.name AND j.token = r.token))
 RETURNING 1
+"""
+
+# The run of a holder that lost its grant to a takeover or a forced release (it may be
+# dead and never finish its own run): finished, as lost.
+FINISH_LOST_RUN = f"""
+UPDATE {_RUNS} SET finished_at = now(), outcome = 'lost',
+    duration = extract(epoch FROM now() - started_at)::float8
+WHERE name = %(name)s AND token = %(token)s AND finished_at IS NULL
 """
 PRUNE_CLAIMS = f"""
 DELETE FROM {quote_name("django_pglock_scheduleclaim")}
@@ -246,9 +258,17 @@ UNLOCK = "SELECT pg_advisory_unlock(%(key)s)"
 # Forced release: delete the row, optionally only if it still carries the given token.
 # Waits for any guarded transaction, so fenced writes commit before the row goes.
 FORCE_RELEASE = f"""
-DELETE FROM {_T}
-WHERE name = %(name)s AND (%(token)s::bigint IS NULL OR token = %(token)s::bigint)
-RETURNING name, token, holder, host, pid, acquired_at
+WITH released AS (
+    DELETE FROM {_T}
+    WHERE name = %(name)s AND (%(token)s::bigint IS NULL OR token = %(token)s::bigint)
+    RETURNING name, token, holder, host, pid, acquired_at
+), run AS (
+    UPDATE {_RUNS} r SET finished_at = now(), outcome = 'lost',
+        duration = extract(epoch FROM now() - r.started_at)::float8
+    FROM released WHERE r.name = released.name AND r.token = released.token
+      AND r.finished_at IS NULL
+)
+SELECT name, token, holder, host, pid, acquired_at FROM released
 """
 
 # A lock's state, judged by the database clock against the row's own thresholds; shared

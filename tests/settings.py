@@ -53,6 +53,7 @@ USE_TZ = True
 TIME_ZONE = "UTC"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 ROOT_URLCONF = "tests.urls"
+STATIC_URL = "static/"
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -60,6 +61,9 @@ INSTALLED_APPS = [
     "django.contrib.contenttypes",
     "django.contrib.sessions",
     "django.contrib.messages",
+    # pytest-django's live_server serves the admin's CSS and JS only with staticfiles
+    # installed (tests/test_browser.py).
+    "django.contrib.staticfiles",
     "django_pglock",
     "tests.testapp",
 ]

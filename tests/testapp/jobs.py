@@ -57,3 +57,31 @@ def slot_job(path, seconds=0.0):
     _append(path, f"slot {os.getpid()}")
     time.sleep(seconds)
     return "slot done"
+
+
+# -- run history (tests/test_admin.py) ------------------------------------------------
+
+
+@singleton_job("recorded-job", record=True)
+def recorded_job(seconds=0.0, fail=False):
+    """A job recorded in the run history whatever the settings say."""
+    time.sleep(seconds)
+    if fail:
+        raise RuntimeError("recorded-job failed on purpose")
+    return "recorded"
+
+
+@singleton_job("recorded-lost", record=True)
+def recorded_lost_job():
+    """Loses its own lock mid-run (a forced release), then returns normally."""
+    from django_pglock.operations import force_release
+
+    released = force_release("recorded-lost")
+    assert released is not None, "the job's own lock was not held while it ran"
+    return "returned normally"
+
+
+@singleton_job("settings-recorded-job")
+def settings_recorded_job():
+    """Recorded or not as ``DJANGO_PGLOCK['RECORD_RUNS']`` says (no ``record=``)."""
+    return "ran"
