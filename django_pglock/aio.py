@@ -58,8 +58,8 @@ class AsyncAcquisition:
 
     @property
     def holder(self) -> dict[str, Any] | None:
-        """The current holder as seen when the lock was refused (``None`` if unknown)."""
-        return self._waiter.holder
+        """The holder that made the last attempt fail (``None`` if none is known)."""
+        return self._waiter.current_holder()
 
     async def __aenter__(self) -> Lease | None:
         waiter = self._waiter

@@ -377,9 +377,21 @@ class _Waiter:
         self.blocking = blocking
         self.attempts = 0
         self.holder: dict[str, Any] | None = None  # the holder seen by the last attempt
+        self.lock: Lock | None = None  # whose attempts these are
         self.poll_interval = poll_interval
         self.started = time.monotonic()
         self.deadline = None if timeout is None else self.started + timeout
+
+    def current_holder(self) -> dict[str, Any] | None:
+        """The holder seen by the last refused attempt; read now if it committed after
+        that attempt's snapshot (one more statement, only in that race)."""
+        if self.holder is None and self.attempts and self.lock is not None:
+            lock = self.lock
+            found = get_connection(lock._alias()).execute(sql.HOLDER, {"name": lock.name})
+            if found:
+                fields = ("token", "holder", "host", "pid", "acquired_at", "description")
+                self.holder = dict(zip((*fields, "heartbeat_age"), found[0][:7], strict=True))
+        return self.holder
 
     def next_delay(self) -> float | None:
         """Seconds to sleep before the next attempt, or ``None`` to give up."""
@@ -573,7 +585,9 @@ class Lock:
     def _waiter(self, blocking: bool, timeout: float | None) -> _Waiter:
         if not isinstance(blocking, bool):
             raise ValueError(f"blocking={blocking!r} must be True or False.")
-        return _Waiter(blocking, timeout, self._poll_interval())
+        waiter = _Waiter(blocking, timeout, self._poll_interval())
+        waiter.lock = self
+        return waiter
 
     def acquire_async(
         self, blocking: bool = True, timeout: float | None = None
@@ -647,13 +661,6 @@ class Lock:
             _unlocked,
             run_id,
         ) = rows[0]
-        if prev_token is None and token is None:
-            # Refused by a holder that committed after this statement's snapshot: one
-            # more read, only in that race, to name the holder.
-            found = conn.execute(sql.HOLDER, {"name": self.name})
-            if found:
-                (prev_token, prev_holder, prev_host, prev_pid, prev_acquired_at) = found[0][:5]
-                (prev_description, prev_age, prev_alert_after) = found[0][5:]
         previous = None
         if prev_token is not None:
             previous = {
@@ -706,8 +713,8 @@ class _Acquisition(AbstractContextManager["Lease | None"]):
 
     @property
     def holder(self) -> dict[str, Any] | None:
-        """The current holder as seen when the lock was refused (``None`` if unknown)."""
-        return self._waiter.holder
+        """The holder that made the last attempt fail (``None`` if none is known)."""
+        return self._waiter.current_holder()
 
     def __enter__(self) -> Lease | None:
         self.lease = self._lock._acquire(self._waiter)

@@ -72,12 +72,28 @@ _RECLAIMABLE = """(
 
 # Acquire in one statement. `cur` reads the current row from the snapshot (no lock);
 # `key` tries the advisory key (session-level) once; `grab` locks the row FOR UPDATE
-# SKIP LOCKED only when it is reclaimable (a guarded row is skipped, never waited for);
-# the INSERT proposes a row only when the name is free or grabbed, and ON CONFLICT ..
-# DO UPDATE .. WHERE is the atomic decision, re-checked on the latest row version. A
-# refused attempt gives the key back in the same statement: every outcome is one round
-# trip, and a refusal writes nothing. A grant commits with the server's own
-# synchronous_commit (the session default is off, see SESSION_SETUP).
+# SKIP LOCKED only when it is reclaimable (a guarded row is skipped, never waited for).
+# A free name is inserted with ON CONFLICT DO NOTHING (`fresh`): a holder who got there
+# first wins, and the refusal neither locks the winner's row nor writes anything. A
+# grabbed row is taken over by INSERT .. ON CONFLICT .. DO UPDATE .. WHERE <reclaimable>
+# (`taken`), re-checked on the latest row version. A refused attempt gives the key back
+# in the same statement: every outcome is one round trip. A grant commits with the
+# server's own synchronous_commit (the session default is off, see SESSION_SETUP).
+_COLUMNS = """name, token, holder, host, pid, backend_pid, description, acquired_at,
+        last_heartbeat, heartbeat_interval, alert_after, stale_after, advisory"""
+_VALUES = f"""%(name)s, nextval('{SEQUENCE}'), %(holder)s, %(host)s, %(pid)s, pg_backend_pid(),
+           %(description)s, now(), now(), %(heartbeat_interval)s, %(alert_after)s,
+           %(stale_after)s, key.held"""
+_TAKE_OVER = """token = EXCLUDED.token, holder = EXCLUDED.holder, host = EXCLUDED.host,
+        pid = EXCLUDED.pid, backend_pid = EXCLUDED.backend_pid,
+        description = EXCLUDED.description, acquired_at = EXCLUDED.acquired_at,
+        last_heartbeat = EXCLUDED.last_heartbeat,
+        heartbeat_interval = EXCLUDED.heartbeat_interval,
+        alert_after = EXCLUDED.alert_after, stale_after = EXCLUDED.stale_after,
+        advisory = EXCLUDED.advisory"""
+_GRANTED = "j.token, j.acquired_at, j.advisory, j.backend_pid"
+
+
 def _acquire(record: bool) -> str:
     run = _RUN_STARTED if record else ""
     run_id = "(SELECT id FROM run)" if record else "NULL::bigint"
@@ -94,25 +110,19 @@ WITH cur AS (
     SELECT now() - g.last_heartbeat > g.stale_after * interval '1 second' AS stale
     FROM {_T} g WHERE g.name = %(name)s AND {_RECLAIMABLE.format(j="g")}
     FOR UPDATE SKIP LOCKED
+), fresh AS (
+    INSERT INTO {_T} AS j ({_COLUMNS})
+    SELECT {_VALUES} FROM key WHERE NOT EXISTS (SELECT 1 FROM cur)
+    ON CONFLICT (name) DO NOTHING
+    RETURNING {_GRANTED}
+), taken AS (
+    INSERT INTO {_T} AS j ({_COLUMNS})
+    SELECT {_VALUES} FROM key WHERE EXISTS (SELECT 1 FROM grab)
+    ON CONFLICT (name) DO UPDATE SET {_TAKE_OVER}
+    WHERE {_RECLAIMABLE.format(j="j")}
+    RETURNING {_GRANTED}
 ), ins AS (
-    INSERT INTO {_T} AS j (
-        name, token, holder, host, pid, backend_pid, description, acquired_at,
-        last_heartbeat, heartbeat_interval, alert_after, stale_after, advisory)
-    SELECT %(name)s, nextval('{SEQUENCE}'), %(holder)s, %(host)s, %(pid)s, pg_backend_pid(),
-           %(description)s, now(), now(), %(heartbeat_interval)s, %(alert_after)s,
-           %(stale_after)s, key.held
-    FROM key
-    WHERE NOT EXISTS (SELECT 1 FROM cur) OR EXISTS (SELECT 1 FROM grab)
-    ON CONFLICT (name) DO UPDATE SET
-        token = EXCLUDED.token, holder = EXCLUDED.holder, host = EXCLUDED.host,
-        pid = EXCLUDED.pid, backend_pid = EXCLUDED.backend_pid,
-        description = EXCLUDED.description, acquired_at = EXCLUDED.acquired_at,
-        last_heartbeat = EXCLUDED.last_heartbeat,
-        heartbeat_interval = EXCLUDED.heartbeat_interval,
-        alert_after = EXCLUDED.alert_after, stale_after = EXCLUDED.stale_after,
-        advisory = EXCLUDED.advisory
-    WHERE EXISTS (SELECT 1 FROM grab) AND {_RECLAIMABLE.format(j="j")}
-    RETURNING j.token, j.acquired_at, j.advisory, j.backend_pid
+    SELECT * FROM fresh UNION ALL SELECT * FROM taken
 ){run}
 SELECT ins.token, ins.acquired_at, ins.advisory, ins.backend_pid,
        cur.token, cur.holder, cur.host, cur.pid, cur.acquired_at, cur.description,
