@@ -137,7 +137,7 @@ def force_release_in_the_browser(browser, base_url, pg_url, test_db_name, shots)
     page.select_option("select[name=action]", "force_release")
     page.click("button[name=index]")
 
-    expect(page.locator("h1")).to_have_text("Force release: are you sure?")
+    expect(page.locator("#content h1")).to_have_text("Force release: are you sure?")
     confirmation = page.locator("#content table tbody tr")
     expect(confirmation).to_have_count(1)
     expect(confirmation).to_contain_text(VICTIM)
@@ -202,7 +202,7 @@ def test_no_take_me_back_returns_to_the_holders_page_and_releases_nothing(live_s
         ).check()
         page.select_option("select[name=action]", "force_release")
         page.click("button[name=index]")
-        expect(page.locator("h1")).to_have_text("Force release: are you sure?")
+        expect(page.locator("#content h1")).to_have_text("Force release: are you sure?")
         page.click("text=No, take me back")
         try:
             expect(page.locator("#result_list tbody tr", has_text="cancelled")).to_have_count(
