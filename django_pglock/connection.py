@@ -75,6 +75,7 @@ class LockConnection:
         self.generation = 0
         self.backend_pid: int | None = None
         self.pooled = False  # a transaction-mode pooler was detected
+        self._pooler_announced = False  # callers were told, so leases left the advisory path
         self.durable_commit = "on"  # the server's synchronous_commit, used by grants
         self._conn: psycopg.Connection[Any] | None = None
         self._prepare = True
@@ -125,7 +126,18 @@ class LockConnection:
             if self._conn is None or self._conn.closed:
                 self._conn = self._connect()
             try:
-                cursor = self._conn.execute(query, params, prepare=self._prepare)
+                try:
+                    cursor = self._conn.execute(query, params, prepare=self._prepare)
+                except (
+                    psycopg.errors.DuplicatePreparedStatement,
+                    psycopg.errors.InvalidSqlStatementName,
+                ):
+                    # Prepared statements vanish or collide when a transaction-mode
+                    # pooler moves the session between server connections. Nothing ran:
+                    # run it again unprepared, and leave the advisory path for good.
+                    self._prepare = False
+                    self._found_pooler("its prepared statements came and went")
+                    cursor = self._conn.execute(query, params, prepare=False)
                 result = cursor.pgresult
                 if result is None or result.status != pq.ExecStatus.TUPLES_OK:
                     return []
@@ -152,16 +164,23 @@ class LockConnection:
         locks cannot be trusted there, so the advisory path is switched off for good.
         Returns ``True`` when this call is the one that found out.
         """
-        if self.backend_pid is not None and backend_pid != self.backend_pid and not self.pooled:
-            self.pooled = True
-            logger.warning(
-                "django_pglock: statements on database alias %r ran on different server "
-                "processes; a transaction-mode pooler is in the way, so the advisory path is "
-                "off. Set DJANGO_PGLOCK['ADVISORY'] = False for this deployment.",
-                self.alias,
-            )
+        if self.backend_pid is not None and backend_pid != self.backend_pid:
+            self._found_pooler("its statements ran on different server processes")
+        if self.pooled and not self._pooler_announced:
+            self._pooler_announced = True
             return True
         return False
+
+    def _found_pooler(self, evidence: str) -> None:
+        if not self.pooled:
+            self.pooled = True
+            logger.warning(
+                "django_pglock: the lock connection for database alias %r goes through a "
+                "transaction-mode pooler (%s), so the advisory path is off. Set "
+                "DJANGO_PGLOCK['ADVISORY'] = False for this deployment.",
+                self.alias,
+                evidence,
+            )
 
     def fileno(self) -> int | None:
         """The socket of the open session, for the heartbeat thread to watch."""

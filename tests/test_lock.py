@@ -518,6 +518,6 @@ def test_a_transaction_pooler_is_detected_and_the_advisory_path_switched_off(db,
         third = Lock("pooled-3").try_acquire()
         assert third.advisory is False and row(db, "pooled-3")[5] is False
     finally:
-        conn.backend_pid, conn.pooled = real_pid, False
+        conn.backend_pid, conn.pooled, conn._pooler_announced = real_pid, False, False
     for lease in (first, second, third):
         lease.release()
