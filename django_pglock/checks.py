@@ -160,11 +160,13 @@ def check_database(
     with connection.cursor() as cursor:
         tables = connection.introspection.table_names(cursor)
     if "django_pglock_joblock" not in tables:
+        # A warning, not an error: `migrate` runs database checks too, and must be able
+        # to create the table.
         return [
-            Error(
+            Warning(
                 f"The lock table is missing on database alias {alias!r}.",
                 hint=f"Run 'manage.py migrate django_pglock --database {alias}'.",
-                id="django_pglock.E009",
+                id="django_pglock.W002",
             )
         ]
     return []

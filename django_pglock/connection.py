@@ -110,10 +110,19 @@ class LockConnection:
                 f"Could not open the lock connection for database alias {self.alias!r}: "
                 f"{_first_line(exc)}. Check DATABASES[{self.alias!r}] and that the server is up."
             ) from None
-        row = conn.execute(
-            sql.SESSION_SETUP,
-            {"statement_timeout": STATEMENT_TIMEOUT, "lock_timeout": LOCK_TIMEOUT},
-        ).fetchone()
+        try:
+            row = conn.execute(
+                sql.SESSION_SETUP,
+                {"statement_timeout": STATEMENT_TIMEOUT, "lock_timeout": LOCK_TIMEOUT},
+                prepare=False,
+            ).fetchone()
+        except psycopg.Error as exc:
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
+            raise LockError(
+                f"Could not set up the lock connection for database alias {self.alias!r}: "
+                f"{_first_line(exc)}."
+            ) from None
         assert row is not None
         self.durable_commit = str(row[0])
         self.backend_pid = int(row[5])
@@ -174,7 +183,9 @@ class LockConnection:
     def _found_pooler(self, evidence: str) -> None:
         if not self.pooled:
             self.pooled = True
-            logger.warning(
+            # Only worth a warning when the project has not switched the path off itself.
+            log = logger.warning if get_setting("ADVISORY") is not False else logger.debug
+            log(
                 "django_pglock: the lock connection for database alias %r goes through a "
                 "transaction-mode pooler (%s), so the advisory path is off. Set "
                 "DJANGO_PGLOCK['ADVISORY'] = False for this deployment.",

@@ -1,4 +1,4 @@
-"""The one heartbeat thread per process.
+"""The one heartbeat thread per process (and its I/O-free watchdog).
 
 Every lease of the process registers here. Per database alias the thread sends one
 statement per interval for all of them, whatever their number; it watches each idle
@@ -83,6 +83,10 @@ class Registry:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._thread: threading.Thread | None = None
+        # Deadlines and alerts are also watched by a thread that does no I/O, so a
+        # heartbeat stuck on an unresponsive server cannot delay lock_lost.
+        self._watchdog: threading.Thread | None = None
+        self._watchdog_wake = threading.Event()
         self._next_wake = 0.0
         self._idle_wait = 10.0  # how long to sleep with no lease: the last lease's pace
         self._watched: set[tuple[str, int]] = set()  # sessions whose sockets are watched
@@ -101,6 +105,11 @@ class Registry:
                     target=self._run, name="django_pglock-heartbeat", daemon=True
                 )
                 self._thread.start()
+                self._watchdog = threading.Thread(
+                    target=self._run_watchdog, name="django_pglock-watchdog", daemon=True
+                )
+                self._watchdog.start()
+            self._watchdog_wake.set()
             # Wake the thread only if it must look sooner than it planned to, or must
             # start watching this connection's socket.
             conn = get_connection(lease.using)
@@ -134,6 +143,15 @@ class Registry:
                 timeout = RETRY_INTERVAL
             self._next_wake = time.monotonic() + timeout
             self._wait(timeout)
+
+    def _run_watchdog(self) -> None:
+        while os.getpid() == self.pid:
+            now = time.monotonic()
+            wake_at = now + 1.0
+            for lease in self.leases():
+                wake_at = min(wake_at, lease._watch(now))
+            self._watchdog_wake.wait(max(0.01, wake_at - time.monotonic()))
+            self._watchdog_wake.clear()
 
     def _tick(self) -> float:
         now = time.monotonic()

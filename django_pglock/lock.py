@@ -251,8 +251,10 @@ class Lease:
             self._mark_lost("no heartbeat was confirmed before the local deadline")
             return now + 60.0
         age = now - self._confirmed_at
-        if age > self.alert_after and not self._alerting:
-            self._alerting = True
+        with self._state_lock:
+            alert = age > self.alert_after and not self._alerting
+            self._alerting = self._alerting or alert
+        if alert:
             holder = {"holder": self.holder, "host": current().host, "pid": self._pid}
             send(
                 signals.lock_alert,

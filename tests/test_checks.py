@@ -200,5 +200,5 @@ def test_check_database_reports_a_missing_table():
     with connection.cursor() as cursor:
         cursor.execute("ALTER TABLE django_pglock_joblock RENAME TO django_pglock_joblock_gone")
     messages = checks.check_database(databases=["default"])
-    assert ids(messages) == ["django_pglock.E009"]
+    assert ids(messages) == ["django_pglock.W002"]
     assert "migrate django_pglock" in messages[0].hint
