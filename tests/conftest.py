@@ -192,3 +192,13 @@ def clean_locks(pg_url, test_db_name):
     yield
     _forget_leases()
     _delete_lock_rows(pg_url, test_db_name)
+
+
+@pytest.fixture
+def procs(child_env):
+    """Child processes started through tests.subprocs.Procs, cleaned up at teardown."""
+    from tests.subprocs import Procs
+
+    manager = Procs(child_env)
+    yield manager
+    manager.cleanup()

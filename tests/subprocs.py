@@ -149,3 +149,21 @@ def wait_for_early_in_minute(conn, latest=45.0):
 def open_db(pg_url, dbname):
     """A separate autocommit session on the test database: the view of another process."""
     return psycopg.connect(pg_url, dbname=dbname, autocommit=True)
+
+
+class Received:
+    """Records the keyword arguments of every sending of a signal."""
+
+    def __init__(self, signal):
+        self.signal = signal
+        self.calls = []
+
+    def __call__(self, sender, **kwargs):
+        self.calls.append(kwargs)
+
+    def __enter__(self):
+        self.signal.connect(self, weak=False)
+        return self
+
+    def __exit__(self, *exc):
+        self.signal.disconnect(self)

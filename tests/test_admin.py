@@ -26,7 +26,7 @@ from django.utils import timezone
 
 from django_pglock import Lock, LockNotHeld, signals
 from django_pglock.models import JobLock, JobRun, ScheduleClaim
-from tests.subprocs import Procs, open_db
+from tests.subprocs import Received, open_db
 from tests.testapp import jobs
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("clean_locks")]
@@ -47,13 +47,6 @@ def sql_db(pg_url, test_db_name):
     """A separate autocommit session on the test database (another process's view)."""
     with open_db(pg_url, test_db_name) as conn:
         yield conn
-
-
-@pytest.fixture
-def procs(child_env):
-    manager = Procs(child_env)
-    yield manager
-    manager.cleanup()
 
 
 @pytest.fixture
@@ -107,24 +100,6 @@ def action_choices(response):
 
 def messages_of(response):
     return [(message.level, message.message) for message in response.context["messages"]]
-
-
-class Received:
-    """Records the keyword arguments of every sending of a signal."""
-
-    def __init__(self, signal):
-        self.signal = signal
-        self.calls = []
-
-    def __call__(self, sender, **kwargs):
-        self.calls.append(kwargs)
-
-    def __enter__(self):
-        self.signal.connect(self, weak=False)
-        return self
-
-    def __exit__(self, *exc):
-        self.signal.disconnect(self)
 
 
 class _FormFields(HTMLParser):

@@ -22,7 +22,7 @@ from django.core.management.base import CommandError
 from django_pglock import Lock, LockNotHeld, signals
 from django_pglock.operations import force_release
 from tests.subprocs import (
-    Procs,
+    Received,
     open_db,
     pid_gone,
     wait_for_early_in_minute,
@@ -38,13 +38,6 @@ EXIT_LOST = 75
 # during the test, so the aged row stays as the test made it.
 QUIET = {"heartbeat_interval": 100.0, "alert_after": 200.0, "stale_after": 3000.0}
 STATUS_FIELDS = {"name", "token", "holder", "host", "pid", "heartbeat_age", "state"}
-
-
-@pytest.fixture
-def procs(child_env):
-    manager = Procs(child_env)
-    yield manager
-    manager.cleanup()
 
 
 @pytest.fixture
@@ -86,24 +79,6 @@ def status(*args):
 
 def status_json():
     return {row["name"]: row for row in json.loads(status("--json"))}
-
-
-class Received:
-    """Records the keyword arguments of every sending of a signal."""
-
-    def __init__(self, signal):
-        self.signal = signal
-        self.calls = []
-
-    def __call__(self, sender, **kwargs):
-        self.calls.append(kwargs)
-
-    def __enter__(self):
-        self.signal.connect(self, weak=False)
-        return self
-
-    def __exit__(self, *exc):
-        self.signal.disconnect(self)
 
 
 # -- locked_run: exit statuses -------------------------------------------------------------

@@ -24,7 +24,7 @@ from django.core.management import call_command
 from django_pglock import Lock, singleton_job
 from django_pglock.models import ScheduleClaim
 from django_pglock.operations import force_release
-from tests.subprocs import Procs, open_db, wait_for_early_in_minute, wait_for_file
+from tests.subprocs import open_db, wait_for_early_in_minute, wait_for_file
 from tests.testapp import jobs
 
 DB = pytest.mark.django_db(transaction=True)
@@ -47,13 +47,6 @@ while not (barrier / "go").exists():
     time.sleep(0.005)
 print(json.dumps(func(*args)))
 """
-
-
-@pytest.fixture
-def procs(child_env):
-    manager = Procs(child_env)
-    yield manager
-    manager.cleanup()
 
 
 @pytest.fixture
