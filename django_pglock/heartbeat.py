@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from . import sql
 from .connection import LockConnection, get_connection
+from .events import call_metrics
 from .exceptions import LockError
 
 if TYPE_CHECKING:
@@ -52,9 +53,11 @@ def beat(conn: LockConnection, leases: list[Lease]) -> None:
     by_token = {lease.token: lease for lease in leases}
     if rows and conn.note_backend_pid(int(rows[0][3])):
         leave_advisory_path(conn, leases)
+    # One latency per statement, to each distinct metrics hook of these leases.
+    hooks = {id(hook): hook for lease in leases for hook in lease._lock._hooks() if hook}
+    call_metrics(tuple(hooks.values()), "heartbeat_latency", latency)
     for token, beaten, present, _ in rows:
         lease = by_token[token]
-        lease._record_latency(latency)
         if beaten:
             lease._confirm(sent)
         elif not present:

@@ -240,9 +240,6 @@ class Lease:
                 self._deadline = sent + self.stale_after - self._margin
             self._alerting = False
 
-    def _record_latency(self, seconds: float) -> None:
-        call_metrics(self._lock._hooks(), "heartbeat_latency", seconds)
-
     def _watch(self, now: float) -> float:
         """Enforce the local deadline and raise alerts; return when to look again."""
         if self._lost_reason is not None or self._done:

@@ -521,3 +521,55 @@ def test_a_transaction_pooler_is_detected_and_the_advisory_path_switched_off(db,
         conn.backend_pid, conn.pooled, conn._pooler_announced = real_pid, False, False
     for lease in (first, second, third):
         lease.release()
+
+
+def test_metrics_hook_sees_latency_reclaims_alerts_and_losses(db):
+    calls: dict[str, list] = {}
+
+    class Metrics:  # any subset of the hook methods
+        def heartbeat_latency(self, seconds):
+            calls.setdefault("heartbeat_latency", []).append(seconds)
+
+        def stale_reclaimed(self, name):
+            calls.setdefault("stale_reclaimed", []).append(name)
+
+        def alert(self, name, age):
+            calls.setdefault("alert", []).append((name, age))
+
+        def lost(self, name):
+            calls.setdefault("lost", []).append(name)
+
+    metrics = Metrics()
+    fast = {"heartbeat_interval": 0.1, "alert_after": 0.3, "stale_after": 1.5}
+    lease = Lock("metrics-beat", metrics=metrics, **fast).try_acquire()
+    time.sleep(0.45)
+    lease.release()
+    assert len(calls["heartbeat_latency"]) >= 2
+    assert all(0 < seconds < 1 for seconds in calls["heartbeat_latency"])
+
+    # A dead holder's stale row, written as another process would have left it.
+    db.execute(
+        "INSERT INTO django_pglock_joblock (name, token, holder, host, pid, backend_pid,"
+        " description, acquired_at, last_heartbeat, heartbeat_interval, alert_after,"
+        " stale_after, advisory) VALUES ('metrics-stale', nextval('django_pglock_token_seq'),"
+        " 'gone:1:x', 'gone', 1, 1, '', now() - interval '1 hour', now() - interval '1 hour',"
+        " 10, 30, 600, false)"
+    )
+    Lock("metrics-stale", metrics=metrics).try_acquire().release()
+    assert calls["stale_reclaimed"] == ["metrics-stale"]
+
+    # Heartbeats that cannot land: the holder's own alert, then its loss.
+    lease = Lock("metrics-lost", metrics=metrics, **fast).try_acquire()
+    with psycopg.connect(db.info.dsn, autocommit=False) as blocker:
+        blocker.execute(
+            "SELECT 1 FROM django_pglock_joblock WHERE name = 'metrics-lost' FOR UPDATE"
+        )
+        deadline = time.monotonic() + 5
+        while "lost" not in calls and time.monotonic() < deadline:
+            time.sleep(0.02)
+        blocker.rollback()
+    assert calls["lost"] == ["metrics-lost"]
+    assert [name for name, _ in calls["alert"]] == ["metrics-lost"]
+    assert calls["alert"][0][1] > 0.3
+    with pytest.raises(LockNotHeld):
+        lease.__exit__(None, None, None)
