@@ -91,6 +91,7 @@ class Registry:
         self._watchdog: threading.Thread | None = None
         self._watchdog_wake = threading.Event()
         self._next_wake = 0.0
+        self.closing = False  # the interpreter is exiting
         self._idle_wait = 10.0  # how long to sleep with no lease: the last lease's pace
         self._watched: set[tuple[str, int]] = set()  # sessions whose sockets are watched
 
@@ -210,7 +211,7 @@ class Registry:
                 conns[fd] = conn
         self._watched = {(conn.alias, conn.generation) for conn in conns.values()}
         for conn in _hung_up(self._wake_r, conns, timeout):
-            if not conn.probe():
+            if not conn.probe() and not self.closing:
                 logger.warning(
                     "django_pglock: the lock connection for %r was closed by the server",
                     conn.alias,
@@ -266,6 +267,7 @@ def release_all_at_exit() -> None:
     for lease in held.leases():
         with contextlib.suppress(Exception):
             lease.release()
+    held.closing = True  # servers stopping at exit are no news
 
 
 atexit.register(release_all_at_exit)
