@@ -137,7 +137,8 @@ class _SingletonJob:
                 acquisition = lock.acquire_async(self.blocking, self.timeout)
                 async with acquisition as lease:
                     if lease is None:
-                        skipped(lock, args, acquisition.holder)
+                        # Naming the holder and recording the skip may query: off the loop.
+                        await asyncio.to_thread(lambda: skipped(lock, args, acquisition.holder))
                         return None
                     if not await asyncio.to_thread(first_in_slot, lock, args):
                         return None
