@@ -989,3 +989,20 @@ def measure(label: str, value: float, unit: str = "s") -> None:
     """Print one measured figure (``pytest -s`` shows them; -rA too)."""
     shown = f"{value:.3f}{unit}" if unit else f"{value:g}"
     print(f"\n[measure] {label}: {shown}")
+
+
+# -- fixtures shared by test_faults.py and test_pgbouncer.py (imported there by name) ----
+
+
+@pytest.fixture(name="procs")
+def procs_fixture():
+    """Worker processes of a fault test, killed at teardown."""
+    started = Procs()
+    yield started
+    started.cleanup()
+
+
+@pytest.fixture(name="log")
+def log_fixture(tmp_path):
+    """The jobs' own O_APPEND log, from which the invariant is judged."""
+    return tmp_path / "jobs.log"

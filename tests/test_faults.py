@@ -27,7 +27,17 @@ import psycopg
 import pytest
 
 from tests import faultkit
-from tests.faultkit import Db, Procs, assert_exclusive, grants, measure, read_log, worker_env
+from tests.faultkit import (  # noqa: F401  (fixtures "log", "procs")
+    Db,
+    Procs,
+    assert_exclusive,
+    grants,
+    log_fixture,
+    measure,
+    procs_fixture,
+    read_log,
+    worker_env,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -52,18 +62,6 @@ def db(pg):
     session = Db(pg.url())
     yield session
     session.close()
-
-
-@pytest.fixture
-def procs():
-    started = Procs()
-    yield started
-    started.cleanup()
-
-
-@pytest.fixture
-def log(tmp_path):
-    return tmp_path / "jobs.log"
 
 
 def granted(proc, timeout=20.0):

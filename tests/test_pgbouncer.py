@@ -31,7 +31,17 @@ import uuid
 import pytest
 
 from tests import faultkit
-from tests.faultkit import Db, Procs, assert_exclusive, grants, measure, read_log, worker_env
+from tests.faultkit import (  # noqa: F401  (fixtures "log", "procs")
+    Db,
+    Procs,
+    assert_exclusive,
+    grants,
+    log_fixture,
+    measure,
+    procs_fixture,
+    read_log,
+    worker_env,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -70,18 +80,6 @@ def db(server):
     session = Db(server.url())  # direct, not through the pooler
     yield session
     session.close()
-
-
-@pytest.fixture
-def procs():
-    started = Procs()
-    yield started
-    started.cleanup()
-
-
-@pytest.fixture
-def log(tmp_path):
-    return tmp_path / "jobs.log"
 
 
 def start_job(procs, env, name, log, *extra, hold="inf", poll=0.1):
