@@ -140,6 +140,7 @@ class LockConnection:
                 except (
                     psycopg.errors.DuplicatePreparedStatement,
                     psycopg.errors.InvalidSqlStatementName,
+                    psycopg.errors.ProtocolViolation,  # a same-named statement of another query
                 ):
                     # Prepared statements vanish or collide when a transaction-mode
                     # pooler moves the session between server connections. Nothing ran:
