@@ -10,7 +10,7 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 
-__all__ = ["DEFAULTS", "Thresholds", "get_setting", "validate_thresholds"]
+__all__ = ["DEFAULTS", "Thresholds", "generation", "get_setting", "validate_thresholds"]
 
 SETTING_NAME = "DJANGO_PGLOCK"
 
@@ -27,6 +27,7 @@ DEFAULTS: dict[str, Any] = {
 
 
 _cache: dict[str, Any] | None = None
+_generation = 0
 
 
 def get_setting(key: str) -> Any:
@@ -47,8 +48,18 @@ def get_setting(key: str) -> Any:
     return configured.get(key, DEFAULTS[key])
 
 
+def generation() -> int:
+    """A number that changes whenever ``override_settings`` changes any setting.
+
+    Values derived from settings (a lock's resolved thresholds, alias and advisory
+    choice) are cached against it, so that an attempt does not resolve them again.
+    """
+    return _generation
+
+
 def _reload(*, setting: str, **kwargs: Any) -> None:
-    global _cache
+    global _cache, _generation
+    _generation += 1
     if setting == SETTING_NAME:
         _cache = None
 

@@ -9,8 +9,10 @@ child never uses its parent's connection: the registry is keyed by process id.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
+import re
 import select
 import threading
 from typing import Any
@@ -78,6 +80,7 @@ class LockConnection:
         self._pooler_announced = False  # callers were told, so leases left the advisory path
         self.durable_commit = "on"  # the server's synchronous_commit, used by grants
         self._conn: psycopg.Connection[Any] | None = None
+        self._cursor: psycopg.RawCursor[Any] | None = None  # reused by every statement
         self._prepare = True
 
     def __repr__(self) -> str:  # never shows connection parameters
@@ -127,16 +130,21 @@ class LockConnection:
         self.durable_commit = str(row[0])
         self.backend_pid = int(row[5])
         self.generation += 1
+        self._cursor = psycopg.RawCursor(conn)
         return conn
 
     def execute(self, query: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         """Run one statement and return its rows; on a broken connection raise ``LockError``."""
+        statement, names = _positional(query)
+        values = [params[name] for name in names]
         with self.lock:
-            if self._conn is None or self._conn.closed:
+            if self._conn is None or self._conn.closed or self._cursor is None:
                 self._conn = self._connect()
+            cursor = self._cursor
+            assert cursor is not None
             try:
                 try:
-                    cursor = self._conn.execute(query, params, prepare=self._prepare)
+                    cursor.execute(statement, values, prepare=self._prepare)
                 except (
                     psycopg.errors.DuplicatePreparedStatement,
                     psycopg.errors.InvalidSqlStatementName,
@@ -147,7 +155,7 @@ class LockConnection:
                     # run it again unprepared, and leave the advisory path for good.
                     self._prepare = False
                     self._found_pooler("its prepared statements came and went")
-                    cursor = self._conn.execute(query, params, prepare=False)
+                    cursor.execute(statement, values, prepare=False)
                 result = cursor.pgresult
                 if result is None or result.status != pq.ExecStatus.TUPLES_OK:
                     return []
@@ -226,7 +234,7 @@ class LockConnection:
         return self._conn is not None and not self._conn.closed
 
     def _discard(self) -> None:
-        conn, self._conn = self._conn, None
+        conn, self._conn, self._cursor = self._conn, None, None
         self.backend_pid = None
         if conn is not None:
             with contextlib.suppress(psycopg.Error):
@@ -235,6 +243,27 @@ class LockConnection:
     def close(self) -> None:
         with self.lock:
             self._discard()
+
+
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+
+
+@functools.lru_cache(maxsize=256)
+def _positional(query: str) -> tuple[str, tuple[str, ...]]:
+    """``query`` with its ``%(name)s`` placeholders as ``$1``, ``$2``…, and their names.
+
+    Statements are sent through one reused raw cursor: converting each (constant)
+    statement once saves the per-call work of a new cursor and of psycopg's own
+    placeholder conversion on every attempt.
+    """
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    return _PLACEHOLDER.sub(number, query), tuple(names)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -90,6 +90,7 @@ class Registry:
         # heartbeat stuck on an unresponsive server cannot delay lock_lost.
         self._watchdog: threading.Thread | None = None
         self._watchdog_wake = threading.Event()
+        self._watchdog_next = 0.0  # when the watchdog looks next; 0.0 while it looks
         self._next_wake = 0.0
         self.closing = False  # the interpreter is exiting
         self._idle_wait = 10.0  # how long to sleep with no lease: the last lease's pace
@@ -113,10 +114,14 @@ class Registry:
                     target=self._run_watchdog, name="django_pglock-watchdog", daemon=True
                 )
                 self._watchdog.start()
-            self._watchdog_wake.set()
+            # Wake the watchdog only if this lease needs it sooner than it planned to.
+            first_due = min(lease._deadline, lease._confirmed_at + lease.alert_after)
+            planned = self._watchdog_next
+            if not planned or first_due < planned:
+                self._watchdog_wake.set()
             # Wake the thread only if it must look sooner than it planned to, or must
             # start watching this connection's socket.
-            conn = get_connection(lease.using)
+            conn = lease._conn
             watched = (conn.alias, conn.generation) in self._watched
             soon = lease._pending or not watched
             soon = soon or now + self._idle_wait < self._next_wake
@@ -150,10 +155,12 @@ class Registry:
 
     def _run_watchdog(self) -> None:
         while os.getpid() == self.pid:
+            self._watchdog_next = 0.0  # a lease added meanwhile wakes us again
             now = time.monotonic()
             wake_at = now + 1.0
             for lease in self.leases():
                 wake_at = min(wake_at, lease._watch(now))
+            self._watchdog_next = wake_at
             self._watchdog_wake.wait(max(0.01, wake_at - time.monotonic()))
             self._watchdog_wake.clear()
 

@@ -20,7 +20,14 @@ from django.db import connections
 
 from . import heartbeat, signals, sql
 from .aio import AsyncAcquisition
-from .conf import Thresholds, check_seconds, get_setting, setting_label, validate_thresholds
+from .conf import (
+    Thresholds,
+    check_seconds,
+    generation,
+    get_setting,
+    setting_label,
+    validate_thresholds,
+)
 from .connection import LockConnection, get_connection, validate_alias
 from .events import call_metrics, configured_metrics, send
 from .exceptions import LockError, LockNotAcquired, LockNotHeld
@@ -93,7 +100,7 @@ class Lease:
         self._key_held = advisory  # this session holds the advisory key for the lease
         self._lock = lock
         self._conn = conn
-        self._key = sql.advisory_key(lock.name)
+        self._key = lock._resolved().key
         self._generation = conn.generation
         self._pid = os.getpid()
         self._margin = _safety_margin(thresholds)
@@ -428,6 +435,24 @@ class _Option(Generic[T]):
         return self.kind(lock._option(self.argument)[0])
 
 
+class _Resolved:
+    """A lock's options resolved against the settings of one generation (see ``conf``)."""
+
+    __slots__ = ("advisory", "alias", "generation", "key", "name", "poll", "thresholds")
+
+    def __init__(self, lock: Lock) -> None:
+        self.generation = generation()
+        self.name = lock.name
+        self.alias = validate_alias(lock._option("database")[0])
+        self.thresholds = lock._resolve_thresholds()
+        self.poll = check_seconds(*reversed(lock._option("poll_interval")))
+        wanted, label = lock._option("advisory")
+        if not isinstance(wanted, bool):
+            raise ImproperlyConfigured(f"{label} = {wanted!r} must be True or False.")
+        self.advisory = wanted
+        self.key = sql.advisory_key(lock.name)
+
+
 class Lock:
     """A named lock, held by at most one process at a time across all machines.
 
@@ -477,13 +502,14 @@ class Lock:
         }
         if not isinstance(record, bool):
             raise ValueError(f"record={record!r} must be True or False.")
+        self._cached: _Resolved | None = None
         self.metrics = metrics
         self.record = record
         self.description = None if description is None else redact(description)
         if heartbeat_interval is not None and alert_after is not None and stale_after is not None:
             validate_thresholds(heartbeat_interval, alert_after, stale_after)
         elif settings.configured and (heartbeat_interval, alert_after, stale_after) != (None,) * 3:
-            self._thresholds()  # partial arguments must fit the current settings
+            self._resolve_thresholds()  # partial arguments must fit the current settings
 
     def __repr__(self) -> str:
         return f"<Lock {self.name!r}>"
@@ -497,8 +523,15 @@ class Lock:
     poll_interval = _Option[float]("poll_interval", float, "Seconds between blocking attempts.")
     advisory = _Option[bool]("advisory", bool, "Whether the advisory path is wanted.")
 
+    def _resolved(self) -> _Resolved:
+        """The options as they stand now; resolved again only after a settings change."""
+        cached = self._cached
+        if cached is None or cached.generation != generation() or cached.name is not self.name:
+            cached = self._cached = _Resolved(self)
+        return cached
+
     def _alias(self) -> str:
-        return validate_alias(self._option("database")[0])
+        return self._resolved().alias
 
     def _option(self, argument: str) -> tuple[Any, str]:
         """An argument's value and label, falling back to the setting of that name."""
@@ -508,21 +541,21 @@ class Lock:
         key = argument.upper()
         return get_setting(key), setting_label(key)
 
-    def _thresholds(self) -> Thresholds:
+    def _resolve_thresholds(self) -> Thresholds:
         (hb, hb_label), (alert, alert_label), (stale, stale_label) = (
             self._option(attribute)
             for attribute in ("heartbeat_interval", "alert_after", "stale_after")
         )
         return validate_thresholds(hb, alert, stale, (hb_label, alert_label, stale_label))
 
+    def _thresholds(self) -> Thresholds:
+        return self._resolved().thresholds
+
     def _poll_interval(self) -> float:
-        return check_seconds(*reversed(self._option("poll_interval")))
+        return self._resolved().poll
 
     def _use_advisory(self, conn: LockConnection) -> bool:
-        wanted, label = self._option("advisory")
-        if not isinstance(wanted, bool):
-            raise ImproperlyConfigured(f"{label} = {wanted!r} must be True or False.")
-        return wanted and not conn.pooled
+        return self._resolved().advisory and not conn.pooled
 
     def _record_skipped(self) -> None:
         """Add a ``skipped`` run to the history (for a recorded job that did not run)."""
@@ -619,12 +652,12 @@ class Lock:
 
     def _attempt(self, *, first: bool = True) -> tuple[Lease | None, dict[str, Any] | None]:
         """One acquire statement: ``(lease, previous holder)`` or ``(None, current holder)``."""
-        alias = self._alias()
-        thresholds = self._thresholds()
-        conn = get_connection(alias)
+        resolved = self._resolved()
+        thresholds = resolved.thresholds
+        conn = get_connection(resolved.alias)
         identity = current()
-        key = sql.advisory_key(self.name)
-        use_advisory = self._use_advisory(conn)
+        key = resolved.key
+        use_advisory = resolved.advisory and not conn.pooled
         sent = time.monotonic()
         rows = conn.execute(
             sql.ACQUIRE_RECORDED if self.record else sql.ACQUIRE,
@@ -655,7 +688,6 @@ class Lock:
             prev_description,
             prev_age,
             prev_alert_after,
-            _prev_stale_after,
             prev_stale,
             _unlocked,
             run_id,

@@ -71,19 +71,24 @@ _RECLAIMABLE = """(
 
 
 # Acquire in one statement. `cur` reads the current row from the snapshot (no lock);
-# `key` tries the advisory key (session-level) once; `grab` locks the row FOR UPDATE
-# SKIP LOCKED only when it is reclaimable (a guarded row is skipped, never waited for).
-# A free name is inserted with ON CONFLICT DO NOTHING (`fresh`): a holder who got there
-# first wins, and the refusal neither locks the winner's row nor writes anything. A
-# grabbed row is taken over by INSERT .. ON CONFLICT .. DO UPDATE .. WHERE <reclaimable>
-# (`taken`), re-checked on the latest row version. A refused attempt gives the key back
-# in the same statement: every outcome is one round trip. A grant commits with the
-# server's own synchronous_commit (the session default is off, see SESSION_SETUP).
+# `key` tries the advisory key (session-level) once. A free name is inserted with ON
+# CONFLICT DO NOTHING (`fresh`): a holder who got there first wins, and the refusal
+# neither locks the winner's row nor writes anything. A reclaimable row is first locked
+# FOR UPDATE SKIP LOCKED (`grab`: a guarded row is skipped, never waited for), and only
+# looked for when the snapshot row looked reclaimable (a one-time gate, so a refusal by a
+# live holder costs one index probe); then it is taken over by INSERT .. ON CONFLICT ..
+# DO UPDATE .. WHERE <reclaimable> (`taken`), re-checked on the latest row version. A
+# refused attempt gives the key back in the same statement: every outcome is one round
+# trip. Only a row about to be written sets the transaction's
+# synchronous_commit back to the server's own (the session default is off, see
+# SESSION_SETUP), so a grant is durable and a refusal pays nothing for it.
 _COLUMNS = """name, token, holder, host, pid, backend_pid, description, acquired_at,
         last_heartbeat, heartbeat_interval, alert_after, stale_after, advisory"""
 _VALUES = f"""%(name)s, nextval('{SEQUENCE}'), %(holder)s, %(host)s, %(pid)s, pg_backend_pid(),
-           %(description)s, now(), now(), %(heartbeat_interval)s, %(alert_after)s,
-           %(stale_after)s, key.held"""
+           %(description)s,
+           CASE WHEN set_config('synchronous_commit', %(durable)s, true) IS NOT NULL
+                THEN now() END,
+           now(), %(heartbeat_interval)s, %(alert_after)s, %(stale_after)s, key.held"""
 _TAKE_OVER = """token = EXCLUDED.token, holder = EXCLUDED.holder, host = EXCLUDED.host,
         pid = EXCLUDED.pid, backend_pid = EXCLUDED.backend_pid,
         description = EXCLUDED.description, acquired_at = EXCLUDED.acquired_at,
@@ -100,16 +105,12 @@ def _acquire(record: bool) -> str:
     return f"""
 WITH cur AS (
     SELECT c.token, c.holder, c.host, c.pid, c.acquired_at, c.description,
-           extract(epoch FROM now() - c.last_heartbeat)::float8 AS age,
-           c.alert_after, c.stale_after
+           extract(epoch FROM now() - c.last_heartbeat)::float8 AS age, c.alert_after,
+           now() - c.last_heartbeat > c.stale_after * interval '1 second' AS stale,
+           c.advisory AND c.backend_pid <> pg_backend_pid() AS foreign_advisory
     FROM {_T} c WHERE c.name = %(name)s
 ), key AS MATERIALIZED (
-    SELECT CASE WHEN %(advisory)s THEN pg_try_advisory_lock(%(key)s) ELSE false END AS held,
-           set_config('synchronous_commit', %(durable)s, true) AS durable
-), grab AS MATERIALIZED (
-    SELECT now() - g.last_heartbeat > g.stale_after * interval '1 second' AS stale
-    FROM {_T} g WHERE g.name = %(name)s AND {_RECLAIMABLE.format(j="g")}
-    FOR UPDATE SKIP LOCKED
+    SELECT CASE WHEN %(advisory)s THEN pg_try_advisory_lock(%(key)s) ELSE false END AS held
 ), fresh AS (
     INSERT INTO {_T} AS j ({_COLUMNS})
     SELECT {_VALUES} FROM key WHERE NOT EXISTS (SELECT 1 FROM cur)
@@ -117,7 +118,12 @@ WITH cur AS (
     RETURNING {_GRANTED}
 ), taken AS (
     INSERT INTO {_T} AS j ({_COLUMNS})
-    SELECT {_VALUES} FROM key WHERE EXISTS (SELECT 1 FROM grab)
+    SELECT {_VALUES} FROM key, (
+        SELECT 1 FROM {_T} g
+        WHERE (SELECT c.stale OR (c.foreign_advisory AND k.held) FROM cur c, key k)
+          AND g.name = %(name)s AND {_RECLAIMABLE.format(j="g")}
+        FOR UPDATE SKIP LOCKED
+    ) AS grab
     ON CONFLICT (name) DO UPDATE SET {_TAKE_OVER}
     WHERE {_RECLAIMABLE.format(j="j")}
     RETURNING {_GRANTED}
@@ -126,10 +132,10 @@ WITH cur AS (
 ){run}
 SELECT ins.token, ins.acquired_at, ins.advisory, ins.backend_pid,
        cur.token, cur.holder, cur.host, cur.pid, cur.acquired_at, cur.description,
-       cur.age, cur.alert_after, cur.stale_after, grab.stale,
+       cur.age, cur.alert_after, cur.stale,
        CASE WHEN ins.token IS NULL AND key.held THEN pg_advisory_unlock(%(key)s) END,
        {run_id}
-FROM key LEFT JOIN ins ON true LEFT JOIN cur ON true LEFT JOIN grab ON true
+FROM key LEFT JOIN ins ON true LEFT JOIN cur ON true
 """
 
 

@@ -463,6 +463,41 @@ def test_grants_commit_durably_and_heartbeats_do_not_wait_for_the_flush(db):
     lease.release()
 
 
+@pytest.mark.parametrize("free", [True, False])
+def test_only_a_grant_switches_its_transaction_to_durable_commit(db, free):
+    """The acquire statement sets synchronous_commit to the server's value for its own
+    transaction when it writes a row, and leaves a refusal's transaction alone."""
+    from django_pglock import sql
+    from django_pglock.identity import current
+
+    holder = None if free else Lock("durable-tx").try_acquire()
+    me = current()
+    params = {
+        "name": "durable-tx",
+        "holder": "test",
+        "host": me.host,
+        "pid": me.pid,
+        "description": "test",
+        "heartbeat_interval": 10.0,
+        "alert_after": 30.0,
+        "stale_after": 600.0,
+        "advisory": False,
+        "key": sql.advisory_key("durable-tx"),
+        "durable": "remote_write",  # not the session's value, nor the default
+    }
+    db.execute("SET synchronous_commit = off")
+    try:
+        with db.transaction(force_rollback=True):
+            (row,) = db.execute(sql.ACQUIRE, params).fetchall()
+            assert (row[0] is not None) is free
+            inside = db.execute("SHOW synchronous_commit").fetchone()[0]
+        assert inside == ("remote_write" if free else "off")
+        assert db.execute("SHOW synchronous_commit").fetchone()[0] == "off"
+    finally:
+        if holder is not None:
+            holder.release()
+
+
 def test_lock_options_default_to_the_settings_read_lazily():
     from django.test import override_settings
 
