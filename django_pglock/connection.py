@@ -9,7 +9,6 @@ child never uses its parent's connection: the registry is keyed by process id.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import re
@@ -135,7 +134,10 @@ class LockConnection:
 
     def execute(self, query: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         """Run one statement and return its rows; on a broken connection raise ``LockError``."""
-        statement, names = _positional(query)
+        converted = _converted.get(query)
+        if converted is None:
+            converted = _converted[query] = _positional(query)
+        statement, names = converted
         values = [params[name] for name in names]
         with self.lock:
             if self._conn is None or self._conn.closed or self._cursor is None:
@@ -248,7 +250,9 @@ class LockConnection:
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 
 
-@functools.lru_cache(maxsize=256)
+_converted: dict[str, tuple[str, tuple[str, ...]]] = {}  # the statements of sql.py, converted
+
+
 def _positional(query: str) -> tuple[str, tuple[str, ...]]:
     """``query`` with its ``%(name)s`` placeholders as ``$1``, ``$2``…, and their names.
 
@@ -278,6 +282,9 @@ _registry_lock = threading.Lock()
 def get_connection(alias: str) -> LockConnection:
     """The dedicated connection of this process for ``alias`` (opened lazily)."""
     global _registry_pid
+    conn = _registry.get(alias)
+    if conn is not None and _registry_pid == os.getpid():
+        return conn
     with _registry_lock:
         if _registry_pid != os.getpid():
             _forget_after_fork()

@@ -123,7 +123,7 @@ class Registry:
             # start watching this connection's socket.
             conn = lease._conn
             watched = (conn.alias, conn.generation) in self._watched
-            soon = lease._pending or not watched
+            soon = lease._pending or lease._wants_key or not watched
             soon = soon or now + self._idle_wait < self._next_wake
         if soon:
             self.wake()
@@ -181,6 +181,14 @@ class Registry:
                     except LockError as exc:
                         logger.warning("django_pglock: releasing %r failed: %s", lease.name, exc)
                     wake_at = min(wake_at, now + RETRY_INTERVAL)
+                if lease._wants_key and now >= lease._key_retry_at:
+                    try:
+                        lease._adopt_key(conn, now)
+                    except LockError as exc:
+                        logger.debug("django_pglock: taking %r's key failed: %s", lease.name, exc)
+                        lease._key_retry_at = now + RETRY_INTERVAL
+                if lease._wants_key:
+                    wake_at = min(wake_at, lease._key_retry_at)
                 if not lease._lost_reason and not lease._done:
                     live.append(lease)
                 elif lease._lost_reason and not lease._done:
@@ -283,6 +291,9 @@ atexit.register(release_all_at_exit)
 def registry() -> Registry:
     """The registry of the calling process (a fresh, empty one in a forked child)."""
     global _registry
+    held = _registry
+    if held is not None and held.pid == os.getpid():
+        return held
     with _registry_lock:
         if _registry is None or _registry.pid != os.getpid():
             _registry = Registry()

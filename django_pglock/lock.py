@@ -63,6 +63,12 @@ def validate_name(name: object) -> str:
     return name
 
 
+#: How soon a lease granted without its advisory key tries to take it again (doubling up
+#: to its heartbeat interval, at most _LAST_KEY_RETRY).
+_FIRST_KEY_RETRY = 0.05
+_LAST_KEY_RETRY = 1.0
+
+
 def _safety_margin(thresholds: Thresholds) -> float:
     """How long before ``stale_after`` the holder gives up on an unconfirmed lease."""
     return min(thresholds.heartbeat_interval, thresholds.stale_after * 0.1)
@@ -98,6 +104,10 @@ class Lease:
         self.stale_after = thresholds.stale_after
         self.advisory = advisory
         self._key_held = advisory  # this session holds the advisory key for the lease
+        # Granted while the key was busy: the heartbeat thread takes it when it can.
+        self._wants_key = False
+        self._key_retry_at = 0.0
+        self._key_retry_delay = _FIRST_KEY_RETRY
         self._lock = lock
         self._conn = conn
         self._key = lock._resolved().key
@@ -320,6 +330,42 @@ class Lease:
             held = held and self._conn.generation == self._generation
             self._key_held = False
             return held
+
+    def _adopt_key(self, conn: LockConnection, now: float) -> None:
+        """Try once to take the advisory key this lease was granted without.
+
+        A contender held the key for the length of its own statement when this lease
+        was granted; once this session holds it and the row says so, a crash of this
+        process frees the name at once, as for any other advisory lease.
+        """
+        with self._release_lock:  # a release cannot claim the key meanwhile
+            with self._state_lock:
+                usable = not (self._done or self._lost_reason is not None or conn.pooled)
+                if not usable or conn.generation != self._generation:
+                    self._wants_key = False
+                    return
+            with conn.lock:
+                rows = conn.execute(
+                    sql.ADOPT_KEY, {"name": self.name, "token": self.token, "key": self._key}
+                )
+                generation = conn.generation
+            adopted = bool(rows[0][0])
+            with self._state_lock:
+                if not adopted:
+                    self._key_retry_at = now + self._key_retry_delay
+                    self._key_retry_delay = min(
+                        self._key_retry_delay * 2, self.heartbeat_interval, _LAST_KEY_RETRY
+                    )
+                    return
+                self._wants_key = False
+                if self._lost_reason is None:
+                    self._key_held = True
+                    self.advisory = True
+                    self._generation = generation
+                    return
+        # Lost while the key was being taken: nobody else will give it back.
+        with contextlib.suppress(LockError):
+            conn.execute(sql.UNLOCK, {"key": self._key})
 
     def _give_back_key(self) -> None:
         if self._claim_key():
@@ -719,6 +765,8 @@ class Lock:
                 call_metrics(self._hooks(), "alert", self.name, prev_age)
             return None, previous
         lease = Lease(self, conn, token, acquired_at, bool(advisory), sent, thresholds, run_id)
+        # The key was busy (a concurrent contender's statement held it): take it later.
+        lease._wants_key = use_advisory and not advisory
         if conn.note_backend_pid(int(backend_pid)):
             # Every lease of this process on the alias leaves the advisory path at once.
             heartbeat.leave_advisory_path(conn, [*heartbeat.registry().leases(conn.alias), lease])

@@ -14,6 +14,7 @@ import hashlib
 __all__ = [
     "ACQUIRE",
     "ACQUIRE_RECORDED",
+    "ADOPT_KEY",
     "CHECK",
     "CLAIM_SLOT",
     "DISABLE_ADVISORY",
@@ -248,6 +249,28 @@ PRUNE_CLAIMS = f"""
 DELETE FROM {quote_name("django_pglock_scheduleclaim")}
 WHERE claimed_at < now() - %(age)s * interval '1 second'
 RETURNING 1
+"""
+
+# A lease granted while its advisory key was busy (a concurrent contender held it for
+# the length of its own statement) takes the key afterwards: when it gets it, the row
+# declares the advisory path, so a crash of the holder frees the name at once again. A
+# row locked right now (a reclaim in flight) is skipped; the key is then given back.
+ADOPT_KEY = f"""
+WITH got AS MATERIALIZED (
+    SELECT pg_try_advisory_lock(%(key)s) AS held
+), target AS MATERIALIZED (
+    SELECT t.name FROM {_T} t
+    WHERE t.name = %(name)s AND t.token = %(token)s AND (SELECT held FROM got)
+    FOR NO KEY UPDATE SKIP LOCKED
+), marked AS (
+    UPDATE {_T} AS j SET advisory = true, backend_pid = pg_backend_pid()
+    FROM target WHERE j.name = target.name AND j.token = %(token)s
+    RETURNING j.token
+)
+SELECT EXISTS (SELECT 1 FROM marked),
+       CASE WHEN got.held AND NOT EXISTS (SELECT 1 FROM marked)
+            THEN pg_advisory_unlock(%(key)s) END
+FROM got
 """
 
 # Behind a transaction-mode pooler: stop declaring the advisory path on our rows, so

@@ -272,6 +272,45 @@ def test_sigkill_of_holder_lets_a_waiter_take_over_within_poll_interval(run_chil
     waiter.expect("RELEASED")
 
 
+def test_holder_granted_while_its_key_was_busy_takes_the_key_and_stays_crash_fast(run_child, db):
+    """Two contenders racing for a free name: the one whose insert wins may not be the one
+    whose statement took the advisory key first. The winner must take the key as soon as
+    the other lets go of it, so that its crash still frees the name at once."""
+    from django_pglock.sql import advisory_key
+
+    name = unique_name("busy-key")
+    key = advisory_key(name)
+    db.conn.execute("SELECT pg_advisory_lock(%s)", [key])  # the racing contender's hold
+    try:
+        holder, token = start_holder(run_child, name, "--advisory", "on")
+        row = db.row(name)
+        assert row["advisory"] is False, "granted without the key: the row must not claim it"
+        time.sleep(0.3)
+        assert db.row(name)["advisory"] is False, "the key is still held by someone else"
+    finally:
+        db.conn.execute("SELECT pg_advisory_unlock(%s)", [key])
+    adopted = wait_until(
+        lambda: db.row(name)["advisory"] and db.advisory_locks_of(row["backend_pid"]) == 1,
+        timeout=3.0,
+    )
+    assert adopted, "the holder never took its advisory key once it was free"
+    assert db.row(name)["token"] == token
+
+    poll = 0.2
+    before = db.lock_sessions()
+    waiter = run_child("wait", "--name", name, "--advisory", "on", "--poll-interval", poll)
+    wait_for_new_session(db, before)
+    holder.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    line = waiter.expect("ACQUIRED", timeout=10)
+    takeover = time.monotonic() - killed_at
+    print(f"\n[measure] takeover after SIGKILL of a holder that took its key late: {takeover:.3f}s")
+    assert takeover < poll + 1.0, f"takeover took {takeover:.3f}s (stale_after is 600 s)"
+    assert acquired_token(line) > token
+    waiter.send("release")
+    waiter.expect("RELEASED")
+
+
 @pytest.mark.slow
 def test_sigkill_of_a_table_only_holder_does_not_free_the_lock_before_stale(run_child, db):
     """Without the advisory path only staleness frees the lock: a dead holder still holds."""
@@ -351,7 +390,8 @@ def test_stopped_holder_goes_alert_then_stale_and_never_touches_its_successor(
     print(f"[measure] SIGSTOP (advisory {advisory}): LOST_DETECTED {detection:.3f}s after SIGCONT")
     assert detection < 1.0, f"the resumed holder took {detection:.3f}s to notice its loss"
     time.sleep(0.5)  # several of its heartbeat intervals: nothing may reach the new row
-    assert db.row(name) == new_row
+    # (The new holder may meanwhile take the advisory key the old one held, see below.)
+    assert dict(db.row(name), advisory=None) == dict(new_row, advisory=None)
     holder.send("check")
     assert holder.read_line() == "LOST LockNotHeld"
     if advisory == "on":
@@ -361,6 +401,14 @@ def test_stopped_holder_goes_alert_then_stale_and_never_touches_its_successor(
             "the resumed holder learned it lost the lock but its session still holds the "
             "advisory key"
         )
+        # The successor was granted while the hung holder's session still held the key:
+        # it takes the key once it is free, so a crash of its own frees the name at once.
+        adopted = wait_until(
+            lambda: db.row(name)["advisory"] and db.advisory_locks_of(new_row["backend_pid"]),
+            timeout=3.0,
+        )
+        assert adopted, "the new holder never took the advisory key the old one gave back"
+        new_row = dict(new_row, advisory=True)
     holder.send("exit")
     assert holder.read_line() == "EXIT_RAISED LockNotHeld"
     assert holder.finish() == 0
