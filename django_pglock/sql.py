@@ -77,12 +77,12 @@ _RECLAIMABLE = """(
 # neither locks the winner's row nor writes anything. A reclaimable row is first locked
 # FOR UPDATE SKIP LOCKED (`grab`: a guarded row is skipped, never waited for), and only
 # looked for when the snapshot row looked reclaimable (a one-time gate, so a refusal by a
-# live holder costs one index probe); then it is taken over by INSERT .. ON CONFLICT ..
-# DO UPDATE .. WHERE <reclaimable> (`taken`), re-checked on the latest row version. A
-# refused attempt gives the key back in the same statement: every outcome is one round
-# trip. Only a row about to be written sets the transaction's
-# synchronous_commit back to the server's own (the session default is off, see
-# SESSION_SETUP), so a grant is durable and a refusal pays nothing for it.
+# live holder costs one index probe); then it is taken over by an UPDATE .. WHERE
+# <reclaimable> (`taken`), re-checked on the latest row version. A refused attempt gives
+# the key back in the same statement: every outcome is one round trip. Only a row about
+# to be written sets the transaction's synchronous_commit back to the server's own (the
+# session default is off, see SESSION_SETUP), so a grant is durable and a refusal pays
+# nothing for it.
 _COLUMNS = """name, token, holder, host, pid, backend_pid, description, acquired_at,
         last_heartbeat, heartbeat_interval, alert_after, stale_after, advisory"""
 _VALUES = f"""%(name)s, nextval('{SEQUENCE}'), %(holder)s, %(host)s, %(pid)s, pg_backend_pid(),
@@ -90,13 +90,12 @@ _VALUES = f"""%(name)s, nextval('{SEQUENCE}'), %(holder)s, %(host)s, %(pid)s, pg
            CASE WHEN set_config('synchronous_commit', %(durable)s, true) IS NOT NULL
                 THEN now() END,
            now(), %(heartbeat_interval)s, %(alert_after)s, %(stale_after)s, key.held"""
-_TAKE_OVER = """token = EXCLUDED.token, holder = EXCLUDED.holder, host = EXCLUDED.host,
-        pid = EXCLUDED.pid, backend_pid = EXCLUDED.backend_pid,
-        description = EXCLUDED.description, acquired_at = EXCLUDED.acquired_at,
-        last_heartbeat = EXCLUDED.last_heartbeat,
-        heartbeat_interval = EXCLUDED.heartbeat_interval,
-        alert_after = EXCLUDED.alert_after, stale_after = EXCLUDED.stale_after,
-        advisory = EXCLUDED.advisory"""
+_TAKE_OVER = f"""token = nextval('{SEQUENCE}'), holder = %(holder)s, host = %(host)s,
+        pid = %(pid)s, backend_pid = pg_backend_pid(), description = %(description)s,
+        acquired_at = CASE WHEN set_config('synchronous_commit', %(durable)s, true) IS NOT NULL
+                           THEN now() END,
+        last_heartbeat = now(), heartbeat_interval = %(heartbeat_interval)s,
+        alert_after = %(alert_after)s, stale_after = %(stale_after)s, advisory = key.held"""
 _GRANTED = "j.token, j.acquired_at, j.advisory, j.backend_pid"
 
 
@@ -118,15 +117,14 @@ WITH cur AS (
     ON CONFLICT (name) DO NOTHING
     RETURNING {_GRANTED}
 ), taken AS (
-    INSERT INTO {_T} AS j ({_COLUMNS})
-    SELECT {_VALUES} FROM key, (
-        SELECT 1 FROM {_T} g
+    UPDATE {_T} AS j SET {_TAKE_OVER}
+    FROM key, (
+        SELECT g.name FROM {_T} g
         WHERE (SELECT c.stale OR (c.foreign_advisory AND k.held) FROM cur c, key k)
           AND g.name = %(name)s AND {_RECLAIMABLE.format(j="g")}
         FOR UPDATE SKIP LOCKED
     ) AS grab
-    ON CONFLICT (name) DO UPDATE SET {_TAKE_OVER}
-    WHERE {_RECLAIMABLE.format(j="j")}
+    WHERE j.name = %(name)s AND j.name = grab.name AND {_RECLAIMABLE.format(j="j")}
     RETURNING {_GRANTED}
 ), ins AS (
     SELECT * FROM fresh UNION ALL SELECT * FROM taken

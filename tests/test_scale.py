@@ -190,5 +190,7 @@ def test_lock_statements_are_prepared_on_the_dedicated_connection(clean_locks):
         statement
         for (statement,) in conn.execute("SELECT statement FROM pg_prepared_statements", {})
     ]
-    assert any("ON CONFLICT (name) DO UPDATE" in s for s in prepared), prepared
+    assert any(
+        "ON CONFLICT (name) DO NOTHING" in s and "FOR UPDATE SKIP LOCKED" in s for s in prepared
+    ), prepared
     assert any("WITH del AS" in s for s in prepared), prepared
