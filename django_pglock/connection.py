@@ -72,6 +72,7 @@ class LockConnection:
 
     def __init__(self, alias: str) -> None:
         self.alias = alias
+        self.pid = os.getpid()  # the process this connection belongs to
         self.lock = threading.RLock()
         self.generation = 0
         self.backend_pid: int | None = None
@@ -250,15 +251,16 @@ class LockConnection:
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 
 
-_converted: dict[str, tuple[str, tuple[str, ...]]] = {}  # the statements of sql.py, converted
+_converted: dict[str, tuple[bytes, tuple[str, ...]]] = {}  # the statements of sql.py
 
 
-def _positional(query: str) -> tuple[str, tuple[str, ...]]:
-    """``query`` with its ``%(name)s`` placeholders as ``$1``, ``$2``…, and their names.
+def _positional(query: str) -> tuple[bytes, tuple[str, ...]]:
+    """``query`` with its ``%(name)s`` placeholders as ``$1``, ``$2``…, encoded, and the
+    names in placeholder order.
 
-    Statements are sent through one reused raw cursor: converting each (constant)
-    statement once saves the per-call work of a new cursor and of psycopg's own
-    placeholder conversion on every attempt.
+    Statements are sent through one reused raw cursor: converting and encoding each
+    (constant) statement once saves the per-call work of a new cursor and of psycopg's
+    own placeholder conversion on every attempt.
     """
     names: list[str] = []
 
@@ -267,7 +269,7 @@ def _positional(query: str) -> tuple[str, tuple[str, ...]]:
             names.append(match.group(1))
         return f"${names.index(match.group(1)) + 1}"
 
-    return _PLACEHOLDER.sub(number, query), tuple(names)
+    return _PLACEHOLDER.sub(number, query).encode(), tuple(names)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -39,6 +39,8 @@ def configured_metrics() -> Any | None:
 
 def send(signal: Signal, sender: Any, **kwargs: Any) -> None:
     """Send ``signal``; a receiver that raises is logged and does not stop the others."""
+    if not signal.receivers:
+        return
     for receiver, result in signal.send_robust(sender=sender, **kwargs):
         if isinstance(result, Exception):
             logger.error(

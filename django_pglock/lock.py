@@ -83,6 +83,21 @@ class Lease:
     :class:`LockNotHeld` if the lease was lost while the block ran without error.
     """
 
+    # State every lease starts with; an instance attribute replaces it when it changes.
+    _lost_reason: str | None = None
+    _alerting = False
+    _guarded = False  # guard() was called: release must not wait for the row
+    _releasing = False  # release() was called
+    _pending = False  # the delete waits for a guarded transaction to end
+    _done = False  # released, or given up after loss
+    _outcome = "succeeded"
+    # Granted while the key was busy: the heartbeat thread takes it when it can.
+    _wants_key = False
+    _key_retry_at = 0.0
+    _key_retry_delay = _FIRST_KEY_RETRY
+    #: Exit status of the wrapped program, recorded in the run history (locked_run).
+    exit_code: int | None = None
+
     def __init__(
         self,
         lock: Lock,
@@ -93,10 +108,13 @@ class Lease:
         sent: float,
         thresholds: Thresholds,
         run_id: int | None = None,
+        *,
+        holder: str | None = None,
+        key: int | None = None,
     ) -> None:
         self.name = lock.name
         self.token = token
-        self.holder = current().holder
+        self.holder = current().holder if holder is None else holder
         self.acquired_at = acquired_at
         self.using = conn.alias
         self.heartbeat_interval = thresholds.heartbeat_interval
@@ -104,32 +122,19 @@ class Lease:
         self.stale_after = thresholds.stale_after
         self.advisory = advisory
         self._key_held = advisory  # this session holds the advisory key for the lease
-        # Granted while the key was busy: the heartbeat thread takes it when it can.
-        self._wants_key = False
-        self._key_retry_at = 0.0
-        self._key_retry_delay = _FIRST_KEY_RETRY
         self._lock = lock
         self._conn = conn
-        self._key = lock._resolved().key
+        self._key = lock._resolved().key if key is None else key
         self._generation = conn.generation
-        self._pid = os.getpid()
+        self._pid = conn.pid
         self._margin = _safety_margin(thresholds)
         self._confirmed_at = sent
         self._deadline = sent + thresholds.stale_after - self._margin
-        self._started = time.monotonic()
+        self._started = sent
         self._state_lock = threading.RLock()
-        self._lost_reason: str | None = None
-        self._alerting = False
-        self._guarded = False  # guard() was called: release must not wait for the row
-        self._releasing = False  # release() was called
-        self._pending = False  # the delete waits for a guarded transaction to end
         self._release_lock = threading.Lock()
-        self._done = False  # released, or given up after loss
         self._on_lost: list[Callable[[Lease], None]] = []
         self._run_id = run_id  # the JobRun row of a recorded run
-        self._outcome = "succeeded"
-        #: Exit status of the wrapped program, recorded in the run history (locked_run).
-        self.exit_code: int | None = None
 
     def __repr__(self) -> str:
         state = "lost" if self._lost_reason else "released" if self._done else "held"
@@ -549,6 +554,7 @@ class Lock:
         if not isinstance(record, bool):
             raise ValueError(f"record={record!r} must be True or False.")
         self._cached: _Resolved | None = None
+        self._cached_params: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.metrics = metrics
         self.record = record
         self.description = None if description is None else redact(description)
@@ -621,12 +627,15 @@ class Lock:
         return self.description if self.description is not None else default_description()
 
     def _hooks(self) -> tuple[Any, ...]:
+        """The metrics hooks to call: this lock's ``metrics`` and the configured one."""
         try:
             configured = configured_metrics()
         except Exception:
             logger.exception("django_pglock: DJANGO_PGLOCK['METRICS'] could not be loaded")
             configured = None
-        return (self.metrics, configured)
+        if configured is None:
+            return () if self.metrics is None else (self.metrics,)
+        return (configured,) if self.metrics is None else (self.metrics, configured)
 
     # -- acquiring -----------------------------------------------------------------------
 
@@ -642,7 +651,11 @@ class Lock:
 
     def try_acquire(self) -> Lease | None:
         """One attempt: a :class:`Lease` (call ``release()`` when done), or ``None``."""
-        return self._acquire(self._waiter(False, None))
+        started = time.monotonic()
+        lease, _ = self._attempt(first=True, want_holder=False)
+        if lease is not None:
+            self._granted(lease, started)
+        return lease
 
     def acquire_or_raise(
         self, timeout: float | None = None, *, blocking: bool | None = None
@@ -692,35 +705,56 @@ class Lock:
         lease, waiter.holder = self._attempt(first=waiter.attempts == 0)
         waiter.attempts += 1
         if lease is not None:
-            send(signals.lock_acquired, self, lease=lease)
-            call_metrics(self._hooks(), "acquired", self.name, time.monotonic() - waiter.started)
+            self._granted(lease, waiter.started)
         return lease
 
-    def _attempt(self, *, first: bool = True) -> tuple[Lease | None, dict[str, Any] | None]:
-        """One acquire statement: ``(lease, previous holder)`` or ``(None, current holder)``."""
+    def _granted(self, lease: Lease, started: float) -> None:
+        send(signals.lock_acquired, self, lease=lease)
+        hooks = self._hooks()
+        if hooks:
+            call_metrics(hooks, "acquired", self.name, time.monotonic() - started)
+
+    def _params(self, resolved: _Resolved, conn: LockConnection, advisory: bool) -> dict[str, Any]:
+        """The acquire statement's parameters: the same for every attempt until the
+        settings, the session, the process or the description change."""
+        identity = current()
+        description = self._description()
+        key = (resolved, conn.durable_commit, advisory, identity, description)
+        cached = self._cached_params
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        thresholds = resolved.thresholds
+        params = {
+            "name": self.name,
+            "holder": identity.holder,
+            "host": identity.host,
+            "pid": identity.pid,
+            "description": description,
+            "heartbeat_interval": thresholds.heartbeat_interval,
+            "alert_after": thresholds.alert_after,
+            "stale_after": thresholds.stale_after,
+            "advisory": advisory,
+            "key": resolved.key,
+            "durable": conn.durable_commit,
+        }
+        self._cached_params = (key, params)
+        return params
+
+    def _attempt(
+        self, *, first: bool = True, want_holder: bool = True
+    ) -> tuple[Lease | None, dict[str, Any] | None]:
+        """One acquire statement: ``(lease, previous holder)`` or ``(None, current holder)``.
+
+        With ``want_holder=False`` the current holder of a refused attempt is only
+        described when a signal receiver or an alert needs it.
+        """
         resolved = self._resolved()
         thresholds = resolved.thresholds
         conn = get_connection(resolved.alias)
-        identity = current()
-        key = resolved.key
         use_advisory = resolved.advisory and not conn.pooled
+        params = self._params(resolved, conn, use_advisory)
         sent = time.monotonic()
-        rows = conn.execute(
-            sql.ACQUIRE_RECORDED if self.record else sql.ACQUIRE,
-            {
-                "name": self.name,
-                "holder": identity.holder,
-                "host": identity.host,
-                "pid": identity.pid,
-                "description": self._description(),
-                "heartbeat_interval": thresholds.heartbeat_interval,
-                "alert_after": thresholds.alert_after,
-                "stale_after": thresholds.stale_after,
-                "advisory": use_advisory,
-                "key": key,
-                "durable": conn.durable_commit,
-            },
-        )
+        rows = conn.execute(sql.ACQUIRE_RECORDED if self.record else sql.ACQUIRE, params)
         (
             token,
             acquired_at,
@@ -738,8 +772,14 @@ class Lock:
             _unlocked,
             run_id,
         ) = rows[0]
+        alerting = prev_token is not None and prev_age > prev_alert_after
         previous = None
-        if prev_token is not None:
+        if prev_token is not None and (
+            want_holder
+            or token is not None
+            or alerting
+            or (first and signals.lock_contended.receivers)
+        ):
             previous = {
                 "token": prev_token,
                 "holder": prev_holder,
@@ -752,8 +792,10 @@ class Lock:
         if token is None:
             if first:
                 send(signals.lock_contended, self, name=self.name, holder=previous)
-                call_metrics(self._hooks(), "contended", self.name)
-            if previous is not None and prev_age > prev_alert_after:
+                hooks = self._hooks()
+                if hooks:
+                    call_metrics(hooks, "contended", self.name)
+            if alerting:
                 send(
                     signals.lock_alert,
                     self,
@@ -764,7 +806,18 @@ class Lock:
                 )
                 call_metrics(self._hooks(), "alert", self.name, prev_age)
             return None, previous
-        lease = Lease(self, conn, token, acquired_at, bool(advisory), sent, thresholds, run_id)
+        lease = Lease(
+            self,
+            conn,
+            token,
+            acquired_at,
+            bool(advisory),
+            sent,
+            thresholds,
+            run_id,
+            holder=params["holder"],
+            key=resolved.key,
+        )
         # The key was busy (a concurrent contender's statement held it): take it later.
         lease._wants_key = use_advisory and not advisory
         if conn.note_backend_pid(int(backend_pid)):
