@@ -8,7 +8,7 @@ from typing import Any
 from django.dispatch import Signal
 from django.utils.module_loading import import_string
 
-from .conf import get_setting
+from .conf import generation, get_setting
 
 __all__ = ["call_metrics", "configured_metrics", "send"]
 
@@ -25,16 +25,24 @@ METRICS_METHODS = (
 )
 
 _metrics_cache: dict[str, Any] = {}
+_current: tuple[int, Any] = (-1, None)  # (settings generation, its metrics instance)
 
 
 def configured_metrics() -> Any | None:
     """The instance of ``DJANGO_PGLOCK['METRICS']``, or ``None`` when it is not set."""
+    global _current
+    now = generation()
+    if _current[0] == now:
+        return _current[1]
     path = get_setting("METRICS")
     if not path:
-        return None
-    if path not in _metrics_cache:
-        _metrics_cache[path] = import_string(path)()
-    return _metrics_cache[path]
+        instance = None
+    else:
+        if path not in _metrics_cache:
+            _metrics_cache[path] = import_string(path)()
+        instance = _metrics_cache[path]
+    _current = (now, instance)
+    return instance
 
 
 def send(signal: Signal, sender: Any, **kwargs: Any) -> None:

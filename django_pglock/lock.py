@@ -386,22 +386,13 @@ class Lease:
 
     def _try_delete(self) -> None:
         unlock = self._claim_key()
+        params = {"name": self.name, "token": self.token, "advisory": unlock, "key": self._key}
         if self._run_id is None:
             statement = sql.RELEASE_GUARDED if self._guarded else sql.RELEASE
         else:
             statement = sql.RELEASE_GUARDED_RECORDED if self._guarded else sql.RELEASE_RECORDED
-        rows = self._conn.execute(
-            statement,
-            {
-                "name": self.name,
-                "token": self.token,
-                "advisory": unlock,
-                "key": self._key,
-                "run_id": self._run_id,
-                "outcome": self._outcome,
-                "exit_code": self.exit_code,
-            },
-        )
+            params.update(run_id=self._run_id, outcome=self._outcome, exit_code=self.exit_code)
+        rows = self._conn.execute(statement, params)
         deleted, present, _ = rows[0]
         if present and not deleted:
             self._key_held = unlock  # nothing was unlocked: keep the duty for the retry

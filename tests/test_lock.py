@@ -608,3 +608,28 @@ def test_metrics_hook_sees_latency_reclaims_alerts_and_losses(db):
     assert calls["alert"][0][1] > 0.3
     with pytest.raises(LockNotHeld):
         lease.__exit__(None, None, None)
+
+
+def test_metrics_hook_from_settings_follows_settings_changes():
+    """``DJANGO_PGLOCK["METRICS"]`` is called for every lock, and a settings change (as
+    ``override_settings`` makes) switches it on and off at once."""
+    from django.test import override_settings
+
+    from tests.testapp import RecordingMetrics
+
+    RecordingMetrics.calls.clear()
+    lock = Lock("metrics-setting")
+    lock.try_acquire().release()  # no hook configured yet
+    assert RecordingMetrics.calls == []
+    with override_settings(DJANGO_PGLOCK={"METRICS": "tests.testapp.RecordingMetrics"}):
+        lease = lock.try_acquire()
+        assert Lock("metrics-setting").try_acquire() is None
+        lease.release()
+        assert RecordingMetrics.calls == [
+            ("acquired", "metrics-setting"),
+            ("contended", "metrics-setting"),
+            ("released", "metrics-setting"),
+        ]
+    RecordingMetrics.calls.clear()
+    lock.try_acquire().release()
+    assert RecordingMetrics.calls == []
