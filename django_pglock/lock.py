@@ -597,9 +597,6 @@ class Lock:
     def _poll_interval(self) -> float:
         return self._resolved().poll
 
-    def _use_advisory(self, conn: LockConnection) -> bool:
-        return self._resolved().advisory and not conn.pooled
-
     def _record_skipped(self) -> None:
         """Add a ``skipped`` run to the history (for a recorded job that did not run)."""
         identity = current()

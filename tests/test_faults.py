@@ -28,6 +28,10 @@ import pytest
 
 from tests import faultkit
 from tests.faultkit import (  # noqa: F401  (fixtures "log", "procs")
+    ALERT,
+    HB,
+    SMALL,
+    STALE,
     Db,
     Procs,
     assert_exclusive,
@@ -41,9 +45,6 @@ from tests.faultkit import (  # noqa: F401  (fixtures "log", "procs")
 
 pytestmark = pytest.mark.slow
 
-# Small thresholds, so that alert and stale happen within a test.
-HB, ALERT, STALE = 0.2, 0.6, 3.0
-SMALL = ("--heartbeat-interval", HB, "--alert-after", ALERT, "--stale-after", STALE)
 # What the holder gives itself before stale_after: min(heartbeat_interval, 0.1 * stale).
 MARGIN = min(HB, 0.1 * STALE)
 

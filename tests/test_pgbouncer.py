@@ -32,6 +32,8 @@ import pytest
 
 from tests import faultkit
 from tests.faultkit import (  # noqa: F401  (fixtures "log", "procs")
+    SMALL,
+    STALE,
     Db,
     Procs,
     assert_exclusive,
@@ -45,8 +47,6 @@ from tests.faultkit import (  # noqa: F401  (fixtures "log", "procs")
 
 pytestmark = pytest.mark.slow
 
-HB, ALERT, STALE = 0.2, 0.6, 3.0
-SMALL = ("--heartbeat-interval", HB, "--alert-after", ALERT, "--stale-after", STALE)
 TABLE_ONLY = {"ADVISORY": False}
 POOLER_WARNING = "transaction-mode pooler"  # in every wording of the detection warning
 

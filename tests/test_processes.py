@@ -25,6 +25,7 @@ from django.db import connection, transaction
 
 from django_pglock import Lock
 from django_pglock.operations import lock_status
+from tests.faultkit import wait_until
 
 LOCK_TABLE = "django_pglock_joblock"
 ROW_COLUMNS = (
@@ -137,16 +138,6 @@ def attempt_in_child(run_child, name, *options):
     line = child.read_line()
     assert child.finish() == 0, child.stderr_text
     return line
-
-
-def wait_until(predicate, timeout, interval=0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
 
 
 # -- 1. exclusion and immediate hand-over ------------------------------------------------
