@@ -10,7 +10,8 @@ import psycopg
 import pytest
 from django.db import connection, transaction
 
-from django_pglock import Lease, Lock, LockError, LockNotAcquired, LockNotHeld, signals
+from django_pglock import Lease, Lock, LockError, LockNotAcquired, LockNotHeld, signals, sql
+from django_pglock import connection as connection_module
 from django_pglock.connection import get_connection
 from django_pglock.operations import force_release, lock_status
 
@@ -335,6 +336,89 @@ def test_all_leases_share_one_connection(db):
     assert backends == {get_connection("default").backend_pid}
     for lease in leases:
         lease.release()
+
+
+@pytest.fixture(params=["direct", "direct-unprepared", "cursor"])
+def statement_path(request):
+    """Run the test's statements through the direct libpq path (prepared, or unprepared as
+    behind a transaction-mode pooler), or through a psycopg cursor (what the connection
+    falls back to when psycopg lacks the direct path's parts)."""
+    conn = get_connection("default")
+    conn.close()  # a fresh session
+    conn._direct = request.param != "cursor"
+    conn.execute(sql.NOW, {})  # open it, then choose
+    conn._prepare = request.param != "direct-unprepared"
+    yield request.param
+    conn.close()
+    conn._direct = connection_module._fetch_results is not None
+
+
+def test_both_statement_paths_grant_refuse_reclaim_and_release(db, statement_path):
+    """Every outcome of the lock statements reads the same through either path: the grant's
+    timestamp and flags, the holder a refusal reports, a reclaim, a recorded release with
+    NULL and non-NULL parameters, and a server error raised as LockError."""
+    first = Lock("paths", record=True).try_acquire()
+    assert first is not None and first.advisory is True
+    assert first.acquired_at.tzinfo is not None
+    with Lock("paths").acquire(blocking=False) as refused:
+        assert refused is None
+    attempt = Lock("paths").acquire(blocking=False)
+    with attempt as lease:
+        assert lease is None
+        holder = attempt.holder
+    assert holder is not None and holder["token"] == first.token
+    assert holder["holder"] == first.holder and holder["heartbeat_age"] >= 0
+    # The holder stopped long ago and left the advisory path: any contender reclaims.
+    db.execute(
+        "UPDATE django_pglock_joblock SET last_heartbeat = now() - interval '1 hour',"
+        " advisory = false WHERE name = 'paths'"
+    )
+    second = Lock("paths", record=True).try_acquire()
+    assert second is not None and second.token > first.token
+    assert row(db, "paths")[0] == second.token
+    with pytest.raises(LockNotHeld):
+        first.beat()
+    second.exit_code = 3
+    second.release()
+    assert row(db, "paths") is None
+    runs = db.execute(
+        "SELECT token, outcome, exit_code FROM django_pglock_jobrun WHERE name = 'paths'"
+        " ORDER BY token"
+    ).fetchall()
+    assert runs == [(first.token, "lost", None), (second.token, "succeeded", 3)]
+    with pytest.raises(LockError, match="bigint"):
+        get_connection("default").execute("SELECT %(token)s::bigint", {"token": "not a number"})
+    assert Lock("paths").try_acquire() is not None  # the session survived the error
+    prepared = get_connection("default").execute("SELECT name FROM pg_prepared_statements", {})
+    assert bool(prepared) == (statement_path != "direct-unprepared"), prepared
+
+
+def test_prepared_statements_are_named_after_their_text(db):
+    """A prepared statement's name only ever means one statement (text and parameter
+    types), so a session behind a pooler cannot run another client's statement by name;
+    the same statement gets the same name in a new session."""
+    get_connection("default").close()
+
+    def names():
+        conn = get_connection("default")
+        return {
+            (name, statement)
+            for name, statement in conn.execute(
+                "SELECT name, statement FROM pg_prepared_statements", {}
+            )
+        }
+
+    lease = Lock("named").try_acquire()
+    assert lease is not None
+    lease.release()
+    first = names()
+    assert first and all(name.startswith("django_pglock_") for name, _ in first), first
+    assert len({name for name, _ in first}) == len(first)
+    get_connection("default").close()
+    lease = Lock("named").try_acquire()
+    assert lease is not None
+    lease.release()
+    assert names() == first
 
 
 def test_advisory_lease_is_lost_when_its_session_is_terminated(db):
