@@ -10,7 +10,7 @@ import psycopg
 import pytest
 from django.db import connection, transaction
 
-from django_pglock import Lease, Lock, LockError, LockNotAcquired, LockNotHeld, signals, sql
+from django_pglock import Lease, Lock, LockError, LockNotAcquired, LockNotHeld, signals
 from django_pglock import connection as connection_module
 from django_pglock.connection import get_connection
 from django_pglock.operations import force_release, lock_status
@@ -346,7 +346,8 @@ def statement_path(request):
     conn = get_connection("default")
     conn.close()  # a fresh session
     conn._direct = request.param != "cursor"
-    conn.execute(sql.NOW, {})  # open it, then choose
+    with conn.lock:  # open it (nothing prepared yet), then choose
+        conn._conn = conn._connect()
     conn._prepare = request.param != "direct-unprepared"
     yield request.param
     conn.close()
