@@ -77,12 +77,12 @@ _RECLAIMABLE = """(
 # neither locks the winner's row nor writes anything. A reclaimable row is first locked
 # FOR UPDATE SKIP LOCKED (`grab`: a guarded row is skipped, never waited for), and only
 # looked for when the snapshot row looked reclaimable (a one-time gate, so a refusal by a
-# live holder costs one index probe); then it is taken over by an UPDATE .. WHERE
-# <reclaimable> (`taken`), re-checked on the latest row version. A refused attempt gives
-# the key back in the same statement: every outcome is one round trip. Only a row about
-# to be written sets the transaction's synchronous_commit back to the server's own (the
-# session default is off, see SESSION_SETUP), so a grant is durable and a refusal pays
-# nothing for it.
+# live holder reads the row once, from the snapshot); then it is taken over by an UPDATE
+# .. WHERE <reclaimable> (`taken`), re-checked on the latest row version. A refused
+# attempt gives the key back in the same statement: every outcome is one round trip.
+# Only a row about to be written sets the transaction's synchronous_commit back to the
+# server's own (the session default is off, see SESSION_SETUP), so a grant is durable
+# and a refusal pays nothing for it.
 _COLUMNS = """name, token, holder, host, pid, backend_pid, description, acquired_at,
         last_heartbeat, heartbeat_interval, alert_after, stale_after, advisory"""
 _VALUES = f"""%(name)s, nextval('{SEQUENCE}'), %(holder)s, %(host)s, %(pid)s, pg_backend_pid(),
@@ -97,6 +97,9 @@ _TAKE_OVER = f"""token = nextval('{SEQUENCE}'), holder = %(holder)s, host = %(ho
         last_heartbeat = now(), heartbeat_interval = %(heartbeat_interval)s,
         alert_after = %(alert_after)s, stale_after = %(stale_after)s, advisory = key.held"""
 _GRANTED = "j.token, j.acquired_at, j.advisory, j.backend_pid"
+# The one-time gate of the reclaim: did the snapshot row look reclaimable? In both the
+# locking scan and the update, so that neither even looks at the row when it did not.
+_GATE = "(SELECT c.stale OR (c.foreign_advisory AND k.held) FROM cur c, key k)"
 
 
 def _acquire(record: bool) -> str:
@@ -120,11 +123,11 @@ WITH cur AS (
     UPDATE {_T} AS j SET {_TAKE_OVER}
     FROM key, (
         SELECT g.name FROM {_T} g
-        WHERE (SELECT c.stale OR (c.foreign_advisory AND k.held) FROM cur c, key k)
-          AND g.name = %(name)s AND {_RECLAIMABLE.format(j="g")}
+        WHERE {_GATE} AND g.name = %(name)s AND {_RECLAIMABLE.format(j="g")}
         FOR UPDATE SKIP LOCKED
     ) AS grab
-    WHERE j.name = %(name)s AND j.name = grab.name AND {_RECLAIMABLE.format(j="j")}
+    WHERE {_GATE} AND j.name = %(name)s AND j.name = grab.name
+      AND {_RECLAIMABLE.format(j="j")}
     RETURNING {_GRANTED}
 ), ins AS (
     SELECT * FROM fresh UNION ALL SELECT * FROM taken
