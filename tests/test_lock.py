@@ -10,7 +10,7 @@ import psycopg
 import pytest
 from django.db import connection, transaction
 
-from django_pglock import Lease, Lock, LockError, LockNotAcquired, LockNotHeld, signals
+from django_pglock import Lease, Lock, LockError, LockNotAcquired, LockNotHeld, signals, sql
 from django_pglock import connection as connection_module
 from django_pglock.connection import get_connection
 from django_pglock.operations import force_release, lock_status
@@ -389,7 +389,9 @@ def test_both_statement_paths_grant_refuse_reclaim_and_release(db, statement_pat
     assert runs == [(first.token, "lost", None), (second.token, "succeeded", 3)]
     with pytest.raises(LockError, match="bigint"):
         get_connection("default").execute("SELECT %(token)s::bigint", {"token": "not a number"})
-    assert Lock("paths").try_acquire() is not None  # the session survived the error
+    third = Lock("paths").try_acquire()  # the session survived the error
+    assert third is not None
+    third.release()
     prepared = get_connection("default").execute("SELECT name FROM pg_prepared_statements", {})
     assert bool(prepared) == (statement_path != "direct-unprepared"), prepared
 
@@ -397,29 +399,26 @@ def test_both_statement_paths_grant_refuse_reclaim_and_release(db, statement_pat
 def test_prepared_statements_are_named_after_their_text(db):
     """A prepared statement's name only ever means one statement (text and parameter
     types), so a session behind a pooler cannot run another client's statement by name;
-    the same statement gets the same name in a new session."""
-    get_connection("default").close()
+    the same statement gets the same name in another session, whatever ran before it."""
 
-    def names():
-        conn = get_connection("default")
-        return {
-            (name, statement)
-            for name, statement in conn.execute(
-                "SELECT name, statement FROM pg_prepared_statements", {}
-            )
-        }
+    def cycle_and_names():
+        lease = Lock("named").try_acquire()
+        assert lease is not None
+        lease.release()
+        rows = get_connection("default").execute(
+            "SELECT statement, name FROM pg_prepared_statements", {}
+        )
+        return dict(rows)
 
-    lease = Lock("named").try_acquire()
-    assert lease is not None
-    lease.release()
-    first = names()
-    assert first and all(name.startswith("django_pglock_") for name, _ in first), first
-    assert len({name for name, _ in first}) == len(first)
     get_connection("default").close()
-    lease = Lock("named").try_acquire()
-    assert lease is not None
-    lease.release()
-    assert names() == first
+    first = cycle_and_names()
+    get_connection("default").close()
+    get_connection("default").execute(sql.NOW, {})  # another statement prepared first
+    second = cycle_and_names()
+    assert len(first) >= 3 and len(second) == len(first) + 1, (first, second)
+    assert all(name.startswith("django_pglock_") for name in second.values()), second
+    assert len(set(second.values())) == len(second)
+    assert all(second[statement] == name for statement, name in first.items())
 
 
 def test_advisory_lease_is_lost_when_its_session_is_terminated(db):
