@@ -340,9 +340,8 @@ def _positional(query: str) -> tuple[bytes, tuple[str, ...]]:
     """``query`` with its ``%(name)s`` placeholders as ``$1``, ``$2``…, encoded, and the
     names in placeholder order.
 
-    Statements are sent through one reused raw cursor: converting and encoding each
-    (constant) statement once saves the per-call work of a new cursor and of psycopg's
-    own placeholder conversion on every attempt.
+    Each (constant) statement is converted and encoded once, then sent as it is on every
+    attempt, without psycopg's own placeholder conversion and encoding per call.
     """
     names: list[str] = []
 

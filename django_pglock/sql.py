@@ -85,15 +85,15 @@ _RECLAIMABLE = """(
 # and a refusal pays nothing for it.
 _COLUMNS = """name, token, holder, host, pid, backend_pid, description, acquired_at,
         last_heartbeat, heartbeat_interval, alert_after, stale_after, advisory"""
+# acquired_at of a row about to be written; evaluating it makes the commit durable.
+_ACQUIRED_AT = """CASE WHEN set_config('synchronous_commit', %(durable)s, true) IS NOT NULL
+                THEN now() END"""
 _VALUES = f"""%(name)s, nextval('{SEQUENCE}'), %(holder)s, %(host)s, %(pid)s, pg_backend_pid(),
-           %(description)s,
-           CASE WHEN set_config('synchronous_commit', %(durable)s, true) IS NOT NULL
-                THEN now() END,
+           %(description)s, {_ACQUIRED_AT},
            now(), %(heartbeat_interval)s, %(alert_after)s, %(stale_after)s, key.held"""
 _TAKE_OVER = f"""token = nextval('{SEQUENCE}'), holder = %(holder)s, host = %(host)s,
         pid = %(pid)s, backend_pid = pg_backend_pid(), description = %(description)s,
-        acquired_at = CASE WHEN set_config('synchronous_commit', %(durable)s, true) IS NOT NULL
-                           THEN now() END,
+        acquired_at = {_ACQUIRED_AT},
         last_heartbeat = now(), heartbeat_interval = %(heartbeat_interval)s,
         alert_after = %(alert_after)s, stale_after = %(stale_after)s, advisory = key.held"""
 _GRANTED = "j.token, j.acquired_at, j.advisory, j.backend_pid"
