@@ -11,7 +11,15 @@ from django.core.checks import CheckMessage, Error, Warning
 from django.db import connections
 from django.utils.module_loading import import_string
 
-from .conf import DEFAULTS, MAX_SECONDS, SETTING_NAME
+from .conf import (
+    DEFAULTS,
+    MAX_SECONDS,
+    SETTING_NAME,
+    ThresholdsOutOfOrder,
+    ThresholdsTooTight,
+    setting_label,
+    validate_thresholds,
+)
 
 __all__ = ["check_database", "check_settings"]
 
@@ -62,16 +70,14 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
         )
     ordered = ("HEARTBEAT_INTERVAL", "ALERT_AFTER", "STALE_AFTER")
     if not set(ordered) & set(bad_seconds):
-        hb, alert, stale = (values[key] for key in ordered)
-        if not hb < alert < stale:
-            errors.append(
-                Error(
-                    f"{SETTING_NAME} thresholds are out of order: HEARTBEAT_INTERVAL={hb!r}, "
-                    f"ALERT_AFTER={alert!r}, STALE_AFTER={stale!r}.",
-                    hint="They must satisfy HEARTBEAT_INTERVAL < ALERT_AFTER < STALE_AFTER.",
-                    id="django_pglock.E004",
-                )
-            )
+        # The same rules, and messages, as Lock(...) applies at acquire time.
+        labels = (setting_label(ordered[0]), setting_label(ordered[1]), setting_label(ordered[2]))
+        try:
+            validate_thresholds(*(values[key] for key in ordered), labels=labels)
+        except ThresholdsOutOfOrder as exc:
+            errors.append(Error(f"{exc.problem}.", hint=_capital(exc.fix), id="django_pglock.E004"))
+        except ThresholdsTooTight as exc:
+            errors.append(Error(exc.problem, hint=exc.fix, id="django_pglock.E011"))
     if not isinstance(values["ADVISORY"], bool):
         errors.append(
             Error(
@@ -132,6 +138,10 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
                 )
             )
     return errors
+
+
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def _looks_pooled(database: dict[str, Any]) -> bool:

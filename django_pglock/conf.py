@@ -10,7 +10,16 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
 
-__all__ = ["DEFAULTS", "Thresholds", "generation", "get_setting", "validate_thresholds"]
+__all__ = [
+    "DEFAULTS",
+    "Thresholds",
+    "ThresholdsError",
+    "ThresholdsOutOfOrder",
+    "ThresholdsTooTight",
+    "generation",
+    "get_setting",
+    "validate_thresholds",
+]
 
 SETTING_NAME = "DJANGO_PGLOCK"
 
@@ -100,20 +109,66 @@ class Thresholds:
     stale_after: float
 
 
+class ThresholdsError(ValueError):
+    """Thresholds that are numbers but cannot work together.
+
+    ``problem`` says what is wrong with which values and ``fix`` what to change (the
+    system checks show them as message and hint, each subclass under its own id); the
+    exception's message is both, joined by ``joiner``.
+    """
+
+    def __init__(self, problem: str, fix: str = "", joiner: str = " ") -> None:
+        super().__init__(joiner.join(part for part in (problem, fix) if part))
+        self.problem = problem
+        self.fix = fix
+
+
+class ThresholdsOutOfOrder(ThresholdsError):
+    """Not ``heartbeat_interval < alert_after < stale_after``."""
+
+
+class ThresholdsTooTight(ThresholdsError):
+    """``stale_after < 2 * heartbeat_interval``: the holder's deadline comes too soon."""
+
+
+#: stale_after must be at least this many heartbeat intervals. The holder gives up on its
+#: own ``stale_after - min(heartbeat_interval, 0.1 * stale_after)`` after its last confirmed
+#: heartbeat; at two intervals that is at least 1.8 intervals, so a heartbeat may be late.
+MIN_STALE_HEARTBEATS = 2
+
+
 def validate_thresholds(
     heartbeat_interval: object,
     alert_after: object,
     stale_after: object,
     labels: tuple[str, str, str] = ("heartbeat_interval", "alert_after", "stale_after"),
 ) -> Thresholds:
-    """Check the three thresholds and their order, raising ``ValueError`` with the fix."""
+    """Check the three thresholds and how they relate, raising ``ValueError`` with the fix.
+
+    They must satisfy ``heartbeat_interval < alert_after < stale_after`` and
+    ``stale_after >= 2 * heartbeat_interval``. ``labels`` name the values in the message
+    (an argument such as ``stale_after``, or a setting such as
+    ``DJANGO_PGLOCK['STALE_AFTER']``).
+    """
     hb = check_seconds(labels[0], heartbeat_interval)
     alert = check_seconds(labels[1], alert_after)
     stale = check_seconds(labels[2], stale_after)
     if not hb < alert < stale:
-        raise ValueError(
+        raise ThresholdsOutOfOrder(
             f"Thresholds {labels[0]}={heartbeat_interval!r}, {labels[1]}={alert_after!r}, "
-            f"{labels[2]}={stale_after!r} are out of order; they must satisfy "
-            "heartbeat_interval < alert_after < stale_after."
+            f"{labels[2]}={stale_after!r} are out of order",
+            "they must satisfy heartbeat_interval < alert_after < stale_after.",
+            joiner="; ",
+        )
+    if stale < MIN_STALE_HEARTBEATS * hb:
+        deadline = stale - min(hb, 0.1 * stale)
+        raise ThresholdsTooTight(
+            f"Thresholds {labels[0]}={heartbeat_interval!r} and {labels[2]}={stale_after!r} "
+            f"cannot keep a lease: a holder gives up {round(deadline, 3)!r} s after its last "
+            "confirmed heartbeat (stale_after minus a margin), too little room for a late "
+            "heartbeat; stale_after must be at least twice heartbeat_interval.",
+            # Doubling and halving a float are exact: these values satisfy the rule.
+            f"Use {labels[2]}={MIN_STALE_HEARTBEATS * hb!r} or more, or "
+            f"{labels[0]}={stale / MIN_STALE_HEARTBEATS!r} or less.",
         )
     return Thresholds(hb, alert, stale)

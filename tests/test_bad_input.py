@@ -13,16 +13,19 @@ import logging
 import math
 import re
 import sys
+import time
 import traceback
 import uuid
 
 import psycopg
 import pytest
 from django.core.exceptions import ImproperlyConfigured
+from django.core.management import call_command
+from django.core.management.base import CommandError
 from django.db import connections
 from django.test import override_settings
 
-from django_pglock import Lock, LockError, LockNotAcquired
+from django_pglock import Lock, LockError, LockNotAcquired, singleton_job
 from django_pglock import connection as lock_connection
 from django_pglock.identity import redact
 
@@ -201,6 +204,224 @@ def attempt(lock, how, **kwargs):
         asyncio.run(run())
     else:  # pragma: no cover - a typo in a parameter list
         raise AssertionError(how)
+
+
+# -- thresholds that cannot keep a lease: stale_after < 2 x heartbeat_interval -----------
+#
+# The holder gives up stale_after - min(heartbeat_interval, 0.1 * stale_after) after its
+# last confirmed heartbeat: with heartbeat_interval=1, stale_after=1.1 that is 0.99 s, so
+# every lease would be lost before its first heartbeat. Refused, naming both values (with
+# the label of where each came from) and the two ways out.
+
+TIGHT_FIX = r"stale_after must be at least twice heartbeat_interval"
+
+TOO_TIGHT = [
+    # (thresholds, smallest stale_after that works, largest heartbeat_interval that works)
+    pytest.param(
+        {"heartbeat_interval": 1, "alert_after": 1.05, "stale_after": 1.1}, 2.0, 0.55, id="1s"
+    ),
+    pytest.param(
+        {"heartbeat_interval": 10.0, "alert_after": 12.0, "stale_after": 19.5},
+        20.0,
+        9.75,
+        id="just-under",
+    ),
+    pytest.param(
+        {"heartbeat_interval": 0.3, "alert_after": 0.4, "stale_after": 0.5}, 0.6, 0.25, id="small"
+    ),
+]
+
+
+@pytest.fixture
+def no_lock_session(unchanged):
+    """Also: the process's dedicated lock connection was not opened by the rejected call."""
+    conn = lock_connection.get_connection("default")
+    conn.close()
+    sessions = conn.generation
+    yield unchanged
+    assert not conn.is_open() and conn.generation == sessions, (
+        "a rejected call opened the lock connection"
+    )
+
+
+def assert_too_tight(excinfo, hb, stale, smallest_stale, largest_hb):
+    """The message names both values (``hb``, ``stale``: "label=repr") and both fixes."""
+    hb_label, _, _ = hb.partition("=")
+    stale_label, _, _ = stale.partition("=")
+    message = str(excinfo.value)
+    for part in (
+        hb,
+        stale,
+        f"{stale_label}={smallest_stale!r} or more",
+        f"{hb_label}={largest_hb!r} or less",
+    ):
+        assert part in message, f"message does not say {part!r}: {message!r}"
+    assert re.search(TIGHT_FIX, message), message
+
+
+@pytest.mark.parametrize(("thresholds", "smallest_stale", "largest_hb"), TOO_TIGHT)
+def test_stale_after_under_two_heartbeats_in_constructor(
+    no_lock_session, thresholds, smallest_stale, largest_hb
+):
+    with pytest.raises(ValueError) as excinfo:
+        Lock(unique_name(), **thresholds)
+    hb, stale = thresholds["heartbeat_interval"], thresholds["stale_after"]
+    assert_too_tight(
+        excinfo, f"heartbeat_interval={hb!r}", f"stale_after={stale!r}", smallest_stale, largest_hb
+    )
+    # Either fix it names is accepted.
+    Lock(unique_name(), **{**thresholds, "stale_after": smallest_stale})
+    Lock(unique_name(), **{**thresholds, "heartbeat_interval": largest_hb})
+
+
+def test_stale_after_of_exactly_two_heartbeats_holds_a_lease(lock_db):
+    """The boundary is allowed, and such a lease survives heartbeats (it is not lost)."""
+    lock = Lock(unique_name(), heartbeat_interval=0.2, alert_after=0.3, stale_after=0.4)
+    with lock.acquire() as lease:
+        assert lease is not None
+        time.sleep(1.0)  # what is tested: 2.5 stale_after periods, kept by heartbeats
+        assert not lease.lost
+        lease.check()
+
+
+@pytest.mark.parametrize("how", ["try_acquire", "acquire", "acquire_or_raise", "async"])
+def test_stale_after_under_two_heartbeats_from_settings(no_lock_session, how):
+    lock = Lock(unique_name())  # settings are read at acquire time
+    configured = {"HEARTBEAT_INTERVAL": 1.0, "ALERT_AFTER": 1.05, "STALE_AFTER": 1.1}
+    with override_settings(DJANGO_PGLOCK=configured), pytest.raises(ValueError) as excinfo:
+        attempt(lock, how)
+    assert_too_tight(
+        excinfo,
+        "DJANGO_PGLOCK['HEARTBEAT_INTERVAL']=1.0",
+        "DJANGO_PGLOCK['STALE_AFTER']=1.1",
+        2.0,
+        0.55,
+    )
+
+
+def test_stale_after_under_two_heartbeats_mixing_arguments_and_settings(no_lock_session):
+    """Each value is named where it came from: the setting, or the argument."""
+    with (
+        override_settings(DJANGO_PGLOCK={"HEARTBEAT_INTERVAL": 4.0}),
+        pytest.raises(ValueError) as excinfo,
+    ):
+        Lock(unique_name(), alert_after=5.0, stale_after=6.0)
+    assert_too_tight(
+        excinfo, "DJANGO_PGLOCK['HEARTBEAT_INTERVAL']=4.0", "stale_after=6.0", 8.0, 3.0
+    )
+    # The other way round: an argument heartbeat interval against the configured stale_after.
+    with (
+        override_settings(DJANGO_PGLOCK={"ALERT_AFTER": 30.0, "STALE_AFTER": 40.0}),
+        pytest.raises(ValueError) as excinfo,
+    ):
+        Lock(unique_name(), heartbeat_interval=25.0)
+    assert_too_tight(
+        excinfo, "heartbeat_interval=25.0", "DJANGO_PGLOCK['STALE_AFTER']=40.0", 50.0, 20.0
+    )
+
+
+@pytest.mark.parametrize("how", ["try_acquire", "acquire", "acquire_or_raise", "async"])
+def test_stale_after_under_two_heartbeats_after_a_settings_change(no_lock_session, how):
+    """Fine when constructed; the settings changed before the acquire: refused there."""
+    with override_settings(DJANGO_PGLOCK={"HEARTBEAT_INTERVAL": 1.0}):
+        lock = Lock(unique_name(), alert_after=5.0, stale_after=6.0)
+    with (
+        override_settings(DJANGO_PGLOCK={"HEARTBEAT_INTERVAL": 4.0}),
+        pytest.raises(ValueError) as excinfo,
+    ):
+        attempt(lock, how)
+    assert_too_tight(
+        excinfo, "DJANGO_PGLOCK['HEARTBEAT_INTERVAL']=4.0", "stale_after=6.0", 8.0, 3.0
+    )
+
+
+def test_stale_after_under_two_heartbeats_in_singleton_job(no_lock_session):
+    """Refused when the decorator is applied (at import time), before any call."""
+    with pytest.raises(ValueError) as excinfo:
+
+        @singleton_job("tight", heartbeat_interval=1, alert_after=1.05, stale_after=1.1)
+        def job():  # pragma: no cover - never defined
+            raise AssertionError("ran")
+
+    assert_too_tight(excinfo, "heartbeat_interval=1", "stale_after=1.1", 2.0, 0.55)
+
+
+@pytest.mark.parametrize("kind", ["function", "coroutine"])
+def test_stale_after_under_two_heartbeats_from_settings_in_singleton_job(no_lock_session, kind):
+    """Settings are read per call: the call is refused, the body never runs."""
+    ran = []
+    if kind == "function":
+
+        @singleton_job(unique_name())
+        def job():
+            ran.append(1)
+
+        call = job
+    else:
+
+        @singleton_job(unique_name())
+        async def ajob():
+            ran.append(1)
+
+        def call():
+            return asyncio.run(ajob())
+
+    configured = {"HEARTBEAT_INTERVAL": 1.0, "ALERT_AFTER": 1.05, "STALE_AFTER": 1.1}
+    with override_settings(DJANGO_PGLOCK=configured), pytest.raises(ValueError) as excinfo:
+        call()
+    assert ran == []
+    assert_too_tight(
+        excinfo,
+        "DJANGO_PGLOCK['HEARTBEAT_INTERVAL']=1.0",
+        "DJANGO_PGLOCK['STALE_AFTER']=1.1",
+        2.0,
+        0.55,
+    )
+
+
+def test_stale_after_under_two_heartbeats_in_locked_run(no_lock_session, tmp_path):
+    """A usage error (exit status 2) before the child starts or anything is written."""
+    marker = tmp_path / "ran"
+    args = ["--heartbeat-interval", "1", "--alert-after", "1.05", "--stale-after", "1.1"]
+    args += ["--shell", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    with pytest.raises(CommandError) as excinfo:
+        call_command("locked_run", *args)
+    assert excinfo.value.returncode == 2
+    # locked_run parses the numbers as floats: the message shows them so.
+    assert_too_tight(excinfo, "heartbeat_interval=1.0", "stale_after=1.1", 2.0, 0.55)
+    assert not marker.exists(), "the wrapped program ran"
+
+
+def test_stale_after_under_two_heartbeats_in_locked_run_with_settings(no_lock_session, tmp_path):
+    marker = tmp_path / "ran"
+    args = ["--alert-after", "5", "--stale-after", "6"]
+    args += ["--shell", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    with (
+        override_settings(DJANGO_PGLOCK={"HEARTBEAT_INTERVAL": 4.0}),
+        pytest.raises(CommandError) as excinfo,
+    ):
+        call_command("locked_run", *args)
+    assert excinfo.value.returncode == 2
+    assert_too_tight(
+        excinfo, "DJANGO_PGLOCK['HEARTBEAT_INTERVAL']=4.0", "stale_after=6.0", 8.0, 3.0
+    )
+    assert not marker.exists(), "the wrapped program ran"
+
+
+def test_stale_after_under_two_heartbeats_in_a_locked_run_process(procs, unchanged, tmp_path):
+    """As an operator runs it: exit status 2, the message on stderr, no traceback."""
+    marker = tmp_path / "ran"
+    result = procs.run_django(
+        "locked_run",
+        *("--heartbeat-interval", "1", "--alert-after", "1.05", "--stale-after", "1.1"),
+        *("--shell", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"),
+    )
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    for part in ("heartbeat_interval=1.0", "stale_after=1.1", "stale_after=2.0 or more"):
+        assert part in result.stderr, result.stderr
+    assert re.search(TIGHT_FIX, result.stderr), result.stderr
+    assert not marker.exists(), "the wrapped program ran"
 
 
 # -- timeouts and blocking ----------------------------------------------------------------

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import io
+import os
 import re
+import subprocess
+import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,10 +14,14 @@ from pathlib import Path
 import pytest
 from django.conf import settings
 from django.core import checks as django_checks
+from django.core.management import call_command
+from django.core.management.base import SystemCheckError
 from django.db import connection
 from django.test import override_settings
 
 from django_pglock import checks
+from django_pglock import connection as lock_connection
+from django_pglock.models import JobLock, JobRun
 
 OK = {
     "HEARTBEAT_INTERVAL": 5.0,
@@ -55,6 +63,9 @@ def extra_database(alias, **overrides):
         pytest.param(OK, id="everything"),
         pytest.param({"STALE_AFTER": 60, "ALERT_AFTER": 15, "HEARTBEAT_INTERVAL": 1}, id="ints"),
         pytest.param({"ADVISORY": False}, id="table-only"),
+        pytest.param(
+            {"HEARTBEAT_INTERVAL": 1, "ALERT_AFTER": 1.5, "STALE_AFTER": 2}, id="stale=2*hb"
+        ),
     ],
 )
 def test_valid_settings_pass(configured):
@@ -89,6 +100,24 @@ def test_valid_metrics_path_passes():
             {"HEARTBEAT_INTERVAL": 60.0, "ALERT_AFTER": 30.0, "STALE_AFTER": 10.0},
             ["django_pglock.E004"],
             id="E004-reversed",
+        ),
+        pytest.param(
+            {"HEARTBEAT_INTERVAL": 1.0, "ALERT_AFTER": 1.05, "STALE_AFTER": 1.1},
+            ["django_pglock.E011"],
+            id="E011-1s",
+        ),
+        pytest.param(
+            {"HEARTBEAT_INTERVAL": 20.0, "ALERT_AFTER": 30.0, "STALE_AFTER": 39.9},
+            ["django_pglock.E011"],
+            id="E011-just-under",
+        ),
+        pytest.param(
+            {"ALERT_AFTER": 12.0, "STALE_AFTER": 15.0}, ["django_pglock.E011"], id="E011-default-hb"
+        ),
+        pytest.param(
+            {"HEARTBEAT_INTERVAL": 1.0, "ALERT_AFTER": 0.5, "STALE_AFTER": 0.8},
+            ["django_pglock.E004"],
+            id="E004-not-E011-too",
         ),
         pytest.param({"ADVISORY": "yes"}, ["django_pglock.E005"], id="E005-str"),
         pytest.param({"ADVISORY": 1}, ["django_pglock.E005"], id="E005-int"),
@@ -129,6 +158,91 @@ def test_messages_name_the_bad_value():
     assert "'nope'" in message.msg and "'default'" in message.hint
     (message,) = check({"DATABASE": "sqlite"})
     assert "'sqlite'" in message.msg
+
+
+def test_out_of_order_thresholds_name_the_values_and_the_rule():
+    (message,) = check({"HEARTBEAT_INTERVAL": 40.0})
+    assert message.id == "django_pglock.E004"
+    for part in (
+        "DJANGO_PGLOCK['HEARTBEAT_INTERVAL']=40.0",
+        "DJANGO_PGLOCK['ALERT_AFTER']=30.0",
+        "DJANGO_PGLOCK['STALE_AFTER']=600.0",
+    ):
+        assert part in message.msg, message.msg
+    assert "heartbeat_interval < alert_after < stale_after" in message.hint
+
+
+TIGHT = {"HEARTBEAT_INTERVAL": 1.0, "ALERT_AFTER": 1.05, "STALE_AFTER": 1.1}
+
+
+def assert_names_tight_values_and_fix(text):
+    for part in (
+        "DJANGO_PGLOCK['HEARTBEAT_INTERVAL']=1.0",
+        "DJANGO_PGLOCK['STALE_AFTER']=1.1",
+        "stale_after must be at least twice heartbeat_interval",
+        "DJANGO_PGLOCK['STALE_AFTER']=2.0 or more",
+        "DJANGO_PGLOCK['HEARTBEAT_INTERVAL']=0.55 or less",
+    ):
+        assert part in text, f"{part!r} not in {text!r}"
+
+
+def test_stale_after_under_two_heartbeats_names_the_values_and_the_fix():
+    (message,) = check(TIGHT)
+    assert message.id == "django_pglock.E011"
+    assert message.level == django_checks.ERROR
+    assert_names_tight_values_and_fix(f"{message.msg}\n{message.hint}")
+    assert "0.99 s" in message.msg  # when the holder would give up
+    # The hint alone is the fix.
+    assert "or more" in message.hint and "or less" in message.hint
+
+
+def test_stale_after_under_two_heartbeats_with_the_default_heartbeat_interval():
+    (message,) = check({"ALERT_AFTER": 12.0, "STALE_AFTER": 15.0})
+    text = f"{message.msg}\n{message.hint}"
+    assert "DJANGO_PGLOCK['HEARTBEAT_INTERVAL']=10.0" in text, text
+    assert "DJANGO_PGLOCK['STALE_AFTER']=20.0 or more" in text, text
+    assert "DJANGO_PGLOCK['HEARTBEAT_INTERVAL']=7.5 or less" in text, text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_manage_py_check_reports_stale_after_under_two_heartbeats():
+    """``manage.py check`` fails with E011, naming values and fix; nothing is written."""
+    conn = lock_connection.get_connection("default")
+    conn.close()
+    sessions = conn.generation
+    out, err = io.StringIO(), io.StringIO()
+    with override_settings(DJANGO_PGLOCK=TIGHT), pytest.raises(SystemCheckError) as excinfo:
+        call_command("check", stdout=out, stderr=err)
+    report = str(excinfo.value)
+    assert "django_pglock.E011" in report, report
+    assert_names_tight_values_and_fix(report)
+    assert not conn.is_open() and conn.generation == sessions, "check opened the lock connection"
+    assert JobLock.objects.count() == 0 and JobRun.objects.count() == 0
+
+
+def test_manage_py_check_process_exits_non_zero_for_stale_after_under_two_heartbeats(tmp_path):
+    """The same from a process, as in a deploy pipeline: exit status 1, E011 on stderr."""
+    (tmp_path / "tight_settings.py").write_text(
+        f"from tests.settings import *  # noqa: F403\nDJANGO_PGLOCK = {TIGHT!r}\n"
+    )
+    repo = Path(__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "tight_settings",
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), str(repo)]),
+    }
+    result = subprocess.run(
+        [sys.executable, "-m", "django", "check"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "django_pglock.E011" in result.stderr, result.stderr
+    assert_names_tight_values_and_fix(result.stderr)
+    assert "Traceback" not in result.stderr
 
 
 def test_threshold_order_is_not_checked_when_a_threshold_is_not_a_number():
@@ -176,6 +290,8 @@ def test_check_ids_are_unique_and_stable():
     # Every id is written as a literal (so that it can be found, documented and silenced).
     assert len(used) == source.count("id=")
     assert {"django_pglock.E001", "django_pglock.E008", "django_pglock.W001"} <= set(used)
+    # Retired ids are never given a new meaning.
+    assert "django_pglock.E009" not in used
 
 
 def test_check_database_without_databases_does_nothing():
