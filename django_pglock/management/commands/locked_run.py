@@ -7,12 +7,12 @@ lost. ``--shell -- <argv…>`` wraps any program instead of a management command
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
+import select
 import signal
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from types import FrameType
@@ -24,6 +24,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_pglock.conf import get_setting
 from django_pglock.exceptions import LockNotHeld
+from django_pglock.guardian import GuardedJob, JobNotStarted
 from django_pglock.identity import redact
 from django_pglock.lock import Lease, Lock
 from django_pglock.schedule import ScheduleSlot
@@ -184,51 +185,122 @@ class Command(BaseCommand):
         return [sys.executable, "-m", "django", *argv], command
 
     def _supervise(self, lease: Lease, child_argv: list[str], options: dict[str, Any]) -> int:
-        lost = threading.Event()
-        lease.on_lost(lambda _lease: lost.set())
+        """Run the job (the child and its process group) through a guardian; its exit status.
+
+        Nothing here waits on the database: once the lease is lost, only the job's
+        process group is waited for.
+        """
+        grace = options["kill_grace"]
+        wake_r, wake_w = os.pipe()  # the lease's loss wakes the loop below
+        os.set_blocking(wake_w, False)
+        lease.on_lost(lambda _lease: _poke(wake_w))
         env = dict(os.environ)
+        env["DJANGO_PGLOCK_NAME"] = lease.name
         env["DJANGO_PGLOCK_TOKEN"] = str(lease.token)
         if not options["shell"]:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
-        try:
-            child = subprocess.Popen(child_argv, env=env)
-        except OSError as exc:
-            raise CommandError(
-                f"Could not start {child_argv[0]!r}: {exc.strerror}.", returncode=EXIT_USAGE
-            ) from None
+        # Signals ignored where locked_run runs (nohup) are neither forwarded nor
+        # un-ignored for the job.
+        ignored = [sig for sig in FORWARDED_SIGNALS if signal.getsignal(sig) == signal.SIG_IGN]
+        job: GuardedJob | None = None
+        early: list[int] = []
 
         def forward(signum: int, frame: FrameType | None) -> None:
-            if child.poll() is None:
-                child.send_signal(signum)
+            # To the job's process group, once; SIGKILL follows after the kill grace.
+            if job is None:
+                early.append(signum)
+            else:
+                job.forward(signum, grace)
 
-        previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+        previous = {
+            sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS if sig not in ignored
+        }
         try:
-            while child.poll() is None:
-                # lease.lost also turns true at the local deadline, even while the
-                # heartbeat thread is stuck on an unresponsive server.
-                if lost.wait(0.05) or lease.lost:
-                    if options["on_lost"] == "continue":
-                        self.stderr.write(
-                            f"Lock {lease.name!r} was lost; the command goes on "
-                            "(--on-lost continue)."
-                        )
-                        child.wait()
-                        break
-                    self.stderr.write(f"Lock {lease.name!r} was lost; terminating the command.")
-                    self._terminate(child, options["kill_grace"])
-                    self.terminated = True
-                    return EXIT_LOST
+            hold = _lock_socket(lease)
+            try:
+                job = GuardedJob(child_argv, env, grace=grace, hold_fd=hold, ignored=ignored)
+            except (JobNotStarted, OSError) as exc:
+                raise CommandError(
+                    f"Could not start {child_argv[0]!r}: {exc.strerror}.", returncode=EXIT_USAGE
+                ) from None
+            finally:
+                if hold is not None:
+                    os.close(hold)
+            for signum in early:
+                job.forward(signum, grace)
+            self._watch(job, lease, wake_r, options)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        code = child.returncode
+            os.close(wake_r)
+            os.close(wake_w)
+        assert job is not None
+        if job.guardian_failed:
+            self.stderr.write(
+                f"The guardian of {child_argv[0]!r} died; its process group was killed."
+            )
+        if self.terminated:
+            return EXIT_LOST
+        code = job.exit_code
+        if code is None:
+            return 128 + signal.SIGKILL
         return 128 - code if code < 0 else code
 
-    @staticmethod
-    def _terminate(child: subprocess.Popen[bytes], grace: float) -> None:
-        child.terminate()
-        try:
-            child.wait(grace)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+    def _watch(self, job: GuardedJob, lease: Lease, wake_r: int, options: dict[str, Any]) -> None:
+        """Wait until the job's process group is gone, acting on the lease's loss."""
+        handled = False
+        while job.poll(0):
+            if job.gone:
+                break
+            # lease.lost also turns true at the local deadline, even while the
+            # heartbeat thread is stuck on an unresponsive server.
+            if not handled and lease.lost:
+                handled = True
+                if options["on_lost"] == "continue":
+                    self.stderr.write(
+                        f"Lock {lease.name!r} was lost; the command goes on (--on-lost continue)."
+                    )
+                else:
+                    self._stop_on_loss(job, lease, options["kill_grace"])
+            with contextlib.suppress(InterruptedError):
+                ready = select.select([job.fileno(), wake_r], [], [], 0.25)[0]
+                if wake_r in ready:
+                    os.read(wake_r, 512)
+        job.wait_gone()
+
+    def _stop_on_loss(self, job: GuardedJob, lease: Lease, grace: float) -> None:
+        """SIGTERM the job's group; SIGKILL it by the lease's kill deadline at the latest."""
+        if job.exit_code is None:
+            self.stderr.write(f"Lock {lease.name!r} was lost; terminating the command.")
+            self.terminated = True
+        now = time.monotonic()
+        deadline = lease.kill_deadline
+        kill_after = grace
+        if deadline is not None and deadline - now < grace:
+            kill_after = max(0.0, deadline - now)
+            when = (
+                "at once"
+                if kill_after == 0
+                else f"in {kill_after:.1f}s (its stale_after, from the last confirmed heartbeat)"
+            )
+            self.stderr.write(
+                f"Lock {lease.name!r}: another instance may take the lock {when}, so the "
+                f"command's kill grace is cut from {grace:g}s to {kill_after:.1f}s."
+            )
+        job.forward(signal.SIGTERM, kill_after)
+
+
+def _poke(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.write(fd, b"x")
+
+
+def _lock_socket(lease: Lease) -> int | None:
+    """A duplicate of the lease's connection socket, for the guardian to hold (or None)."""
+    fd = lease._conn.fileno()
+    if fd is None:
+        return None
+    try:
+        return os.dup(fd)
+    except OSError:
+        return None

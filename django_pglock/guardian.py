@@ -1,0 +1,360 @@
+"""``locked_run``'s process tree: the job's process group, its parent's death, the kill grace.
+
+``locked_run`` does not start its job itself: it starts a small guardian process
+(this file, run by path with ``python -I``: standard library only, no Django, a few
+milliseconds to start) that
+
+* makes itself a child subreaper (Linux), so that members of the job orphaned by their
+  parent are re-parented to it and reaped by it;
+* starts the job in a new session, so the job and everything it starts form one
+  process group (the job's "tree") outside the terminal's foreground group: a Ctrl-C
+  reaches the job once, forwarded by ``locked_run``;
+* holds a duplicate of the lock connection's socket without ever reading or writing
+  it, so the lock's server session, and with it the advisory key, lasts until the
+  guardian exits, which it does only once no process of the group is left;
+* learns of ``locked_run``'s death from the end of file on its order pipe (whose write
+  end only ``locked_run`` holds) and then SIGKILLs the group at once: nobody heartbeats
+  any more;
+* takes its orders from ``locked_run`` over that pipe (``signal <n> <kill after>``,
+  ``kill``) and ignores the terminal's signals itself;
+* reports ``started <pid>`` (or ``failed <errno>``), ``exited <status>`` and ``gone``.
+
+After the job's leader exits, leftover members of its group get SIGTERM, and SIGKILL
+after the kill grace. Without ``prctl`` (not Linux) orphans are reaped by init instead
+and the guardian only watches the group (``kill(-pgid, 0)``) until it is empty.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+__all__ = ["GuardedJob", "JobNotStarted", "group_alive"]
+
+PR_SET_CHILD_SUBREAPER = 36
+ORDERS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # never for the guardian itself
+#: How often a group whose leader is gone is looked at (its members are not all ours).
+POLL = 0.02
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` has a member that is more than an unreaped zombie."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # a member runs as another user: it runs
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return True  # no /proc: trust kill()
+    members = 0
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            members += 1
+            if fields[0] != b"Z":
+                return True
+    return members == 0  # only zombies: gone; none visible in /proc: trust kill()
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signum)
+
+
+# -- the guardian process ------------------------------------------------------------------
+
+
+def _become_subreaper() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+class _Guardian:
+    def __init__(self, orders: int, reports: int, grace: float) -> None:
+        self.orders: int | None = orders
+        self.reports: int | None = reports
+        self.grace = grace
+        self.pgid = 0
+        self.status: int | None = None  # the leader's exit status, once reaped
+        self.kill_at = math.inf  # when the group gets SIGKILL
+        self.cleaning = False  # the leader is gone: its leftovers are being stopped
+        self._wake_r, wake_w = os.pipe()
+        for fd in (self._wake_r, wake_w):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, _ignore)  # a handler, so that SIGCHLD wakes select()
+
+    def report(self, line: str) -> None:
+        if self.reports is None:
+            return
+        try:
+            os.write(self.reports, line.encode() + b"\n")
+        except OSError:  # locked_run is gone: nobody reads reports any more
+            os.close(self.reports)
+            self.reports = None
+
+    def start(self, argv: Sequence[str]) -> bool:
+        try:
+            # A new session: a process group of its own, and no controlling terminal,
+            # so the terminal's job control never reaches it behind locked_run's back.
+            job = subprocess.Popen(argv, start_new_session=True)
+        except OSError as exc:
+            self.report(f"failed {exc.errno or 0}")
+            return False
+        job.returncode = 0  # reaped below with waitpid(-1), never through the Popen object
+        self.pgid = job.pid
+        self.report(f"started {job.pid}")
+        return True
+
+    def run(self) -> int:
+        while True:
+            self._reap()
+            now = time.monotonic()
+            if self.status is not None and not self.cleaning:
+                self.cleaning = True
+                self.report(f"exited {self.status}")
+                if group_alive(self.pgid):  # leftovers: what the leader started and left
+                    self._order_signal(signal.SIGTERM, self.grace, now)
+            if now >= self.kill_at:
+                _signal_group(self.pgid, signal.SIGKILL)  # again, for any late fork
+            if self.cleaning and not group_alive(self.pgid):
+                self.report("gone")
+                return 0
+            self._wait(now)
+
+    def _wait(self, now: float) -> None:
+        timeout: float | None = None
+        if self.kill_at is not math.inf:
+            timeout = max(0.0, self.kill_at - now) if now < self.kill_at else POLL
+        if self.cleaning:
+            timeout = POLL if timeout is None else min(timeout, POLL)
+        watched = [self._wake_r] + ([self.orders] if self.orders is not None else [])
+        ready = select.select(watched, [], [], timeout)[0]
+        if self._wake_r in ready:
+            with contextlib.suppress(OSError):
+                os.read(self._wake_r, 4096)
+        if self.orders is not None and self.orders in ready:
+            self._take_orders()
+
+    def _take_orders(self) -> None:
+        assert self.orders is not None
+        data = os.read(self.orders, 4096)
+        now = time.monotonic()
+        if not data:  # locked_run died: nobody heartbeats the lock, kill the job now
+            os.close(self.orders)
+            self.orders = None
+            self.kill_at = now
+            return
+        for line in data.decode("ascii", "replace").splitlines():
+            order = line.split()
+            if order[:1] == ["kill"]:
+                self.kill_at = now
+            elif order[:1] == ["signal"] and len(order) == 3:
+                self._order_signal(int(order[1]), float(order[2]), now)
+
+    def _order_signal(self, signum: int, kill_after: float, now: float) -> None:
+        """Send ``signum`` to the group, and SIGKILL ``kill_after`` seconds later at most."""
+        if kill_after >= 0:
+            self.kill_at = min(self.kill_at, now + kill_after)
+        if now < self.kill_at:
+            _signal_group(self.pgid, signum)
+            if signum == signal.SIGTERM:
+                _signal_group(self.pgid, signal.SIGCONT)  # a stopped member must hear it
+
+    def _reap(self) -> None:
+        """Reap every child: the leader, and orphans of the group re-parented to us."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid == self.pgid:
+                self.status = os.waitstatus_to_exitcode(status)
+
+
+def _ignore(signum: int, frame: object) -> None:
+    """A no-op handler: unlike SIG_IGN, it is not inherited by the job across exec."""
+
+
+def main(argv: Sequence[str]) -> int:
+    """``guardian.py ORDERS_FD REPORTS_FD HOLD_FD GRACE IGNORED -- <job argv…>``."""
+    orders, reports, hold = (int(fd) for fd in argv[:3])
+    grace, ignored = float(argv[3]), {int(n) for n in argv[4].split(",") if n}
+    job = list(argv[6:])
+    for fd in (orders, reports, hold):
+        if fd >= 0:
+            os.set_inheritable(fd, False)  # the job gets none of them
+    for signum in ORDERS:
+        # Signals ignored where locked_run runs (nohup) stay ignored for the job.
+        signal.signal(signum, signal.SIG_IGN if signum in ignored else _ignore)
+    _become_subreaper()
+    guardian = _Guardian(orders, reports, grace)
+    if not guardian.start(job):
+        return 127
+    try:
+        return guardian.run()
+    except BaseException:
+        _signal_group(guardian.pgid, signal.SIGKILL)  # never leave the job unguarded
+        while group_alive(guardian.pgid):
+            guardian._reap()
+            time.sleep(POLL)
+        raise
+
+
+# -- locked_run's end ------------------------------------------------------------------------
+
+
+class JobNotStarted(OSError):
+    """The guardian could not start the job (``errno`` and ``strerror`` say why)."""
+
+
+class GuardedJob:
+    """The job of ``locked_run``, run by a guardian process.
+
+    ``hold_fd`` (the lock connection's socket) is passed to the guardian, which keeps it
+    open until the job's process group is gone. ``ignored`` are the forwarded signals
+    that were ignored where ``locked_run`` started; they stay ignored for the job.
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: dict[str, str],
+        *,
+        grace: float,
+        hold_fd: int | None = None,
+        ignored: Sequence[int] = (),
+    ) -> None:
+        self.pid: int | None = None  # the job's leader, and its process group id
+        self.exit_code: int | None = None  # as Popen.returncode: -N for signal N
+        self.gone = False  # no process of the job's group runs any more
+        self.guardian_failed = False  # the guardian died before the group was gone
+        self._buffer = b""
+        orders_r, self._orders = os.pipe()
+        self._reports, reports_w = os.pipe()
+        hold = -1 if hold_fd is None else hold_fd
+        command = [
+            sys.executable,
+            "-I",  # no PYTHON* variables, no script or user directories on sys.path
+            os.path.abspath(__file__),
+            str(orders_r),
+            str(reports_w),
+            str(hold),
+            repr(grace),
+            ",".join(str(int(signum)) for signum in ignored),
+            "--",
+            *argv,
+        ]
+        passed = [orders_r, reports_w] + ([hold] if hold >= 0 else [])
+        try:
+            self.process = subprocess.Popen(
+                command, env=env, pass_fds=passed, start_new_session=True
+            )
+        except BaseException:
+            os.close(self._orders)
+            os.close(self._reports)
+            raise
+        finally:
+            os.close(orders_r)
+            os.close(reports_w)
+        while self.pid is None:
+            if not self.poll(None):
+                break
+        if self.pid is None:
+            self.wait_gone()
+            errno_ = self._failed_errno or 0
+            raise JobNotStarted(errno_, os.strerror(errno_) if errno_ else "the guardian failed")
+
+    _failed_errno: int | None = None
+
+    def fileno(self) -> int:
+        """The report pipe, for ``select``."""
+        return self._reports
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        """Read the reports available within ``timeout``; ``False`` at their end."""
+        if self._reports < 0:
+            return False
+        if not select.select([self._reports], [], [], timeout)[0]:
+            return True
+        data = os.read(self._reports, 4096)
+        if not data:
+            os.close(self._reports)
+            self._reports = -1
+            return False
+        self._buffer += data
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            kind, _, value = line.decode("ascii", "replace").partition(" ")
+            if kind == "started":
+                self.pid = int(value)
+            elif kind == "failed":
+                self._failed_errno = int(value)
+            elif kind == "exited":
+                self.exit_code = int(value)
+            elif kind == "gone":
+                self.gone = True
+        return True
+
+    def forward(self, signum: int, kill_after: float | None) -> None:
+        """Send ``signum`` to the job's group; SIGKILL it ``kill_after`` s later at most."""
+        if kill_after is not None and kill_after <= 0:
+            self._order("kill")
+        else:
+            self._order(f"signal {int(signum)} {-1.0 if kill_after is None else kill_after!r}")
+
+    def kill(self) -> None:
+        self._order("kill")
+
+    def _order(self, line: str) -> None:
+        if self._orders < 0:
+            return  # the job is gone
+        with contextlib.suppress(OSError):  # the guardian is gone: wait_gone() takes over
+            os.write(self._orders, line.encode() + b"\n")
+
+    def wait_gone(self) -> None:
+        """Wait until the job's group is gone and the guardian has exited.
+
+        If the guardian died first, its orphaned job is SIGKILLed here and waited for.
+        """
+        while self.poll(None):
+            pass
+        self.process.wait()
+        if self._orders >= 0:
+            os.close(self._orders)
+            self._orders = -1
+        if not self.gone and self.pid is not None:
+            self.guardian_failed = True
+            while group_alive(self.pid):
+                _signal_group(self.pid, signal.SIGKILL)
+                time.sleep(POLL)
+            self.gone = True
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
