@@ -14,7 +14,9 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .lock import Lease, Lock, _Waiter
+    from .lease import Lease
+    from .lock import Lock
+    from .waiting import Waiter
 
 __all__ = ["AsyncAcquisition"]
 
@@ -51,7 +53,7 @@ class _Handoff:
 class AsyncAcquisition:
     """What ``Lock.acquire_async()`` returns: ``async with`` yields a Lease or ``None``."""
 
-    def __init__(self, lock: Lock, waiter: _Waiter) -> None:
+    def __init__(self, lock: Lock, waiter: Waiter) -> None:
         self._lock = lock
         self._waiter = waiter
         self.lease: Lease | None = None

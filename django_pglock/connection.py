@@ -15,6 +15,8 @@ import os
 import re
 import select
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -32,7 +34,7 @@ from . import sql
 from .conf import get_setting
 from .exceptions import LockError
 
-__all__ = ["LockConnection", "get_connection", "validate_alias"]
+__all__ = ["ConnectionBusy", "LockConnection", "SessionEnded", "get_connection", "validate_alias"]
 
 logger = logging.getLogger("django_pglock")
 
@@ -50,6 +52,29 @@ _KEEPALIVES = {
 }
 # Keys of Django's connection params that are not libpq parameters.
 _NOT_LIBPQ = ("cursor_factory", "context", "prepare_threshold", "row_factory", "autocommit")
+
+
+class SessionEnded(LockError):
+    """The session a statement had to run on (the one holding a lease's key) has ended."""
+
+
+class ConnectionBusy(LockError):
+    """The lock connection stayed busy with another thread's statement for too long."""
+
+
+#: How long an interrupted statement may take to be cancelled and drained before the
+#: session is given up instead.
+DRAIN_TIMEOUT = 5.0
+
+#: Called with (connection, generation) when a session ends: its advisory keys are gone.
+SessionListener = Callable[["LockConnection", int], None]
+_session_listeners: list[SessionListener] = []
+
+
+def on_session_end(listener: SessionListener) -> None:
+    """Call ``listener(conn, generation)`` whenever a lock session is found ended."""
+    if listener not in _session_listeners:
+        _session_listeners.append(listener)
 
 
 def validate_alias(alias: object) -> str:
@@ -85,7 +110,7 @@ class LockConnection:
         self.backend_pid: int | None = None
         self.pooled = False  # a transaction-mode pooler was detected
         self._pooler_announced = False  # callers were told, so leases left the advisory path
-        self.durable_commit = "on"  # the server's synchronous_commit, used by grants
+        self.durable_commit = "on"  # the session's synchronous_commit (never off)
         self._conn: psycopg.Connection[Any] | None = None
         self._cursor: psycopg.RawCursor[Any] | None = None  # the fallback path's cursor
         self._prepare = True
@@ -147,35 +172,59 @@ class LockConnection:
         self._tx = Transformer(conn)
         self._prepared = {}
         self._encoding = conn.info.encoding
+        # A transaction-mode pooler, looked for once, before any key is taken here.
+        if self.generation == 1 and not self.pooled and get_setting("ADVISORY") is not False:
+            from .pooler import find_pooler
+
+            evidence = find_pooler(conn, params, self.backend_pid, self.alias)
+            if evidence is not None:
+                self._prepare = False  # its prepared statements would come and go as well
+                self._found_pooler(evidence)
         return conn
 
-    def execute(self, query: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        """Run one statement and return its rows; on a broken connection raise ``LockError``."""
+    def execute(
+        self,
+        query: str,
+        params: dict[str, Any],
+        *,
+        session: int | None = None,
+        wait: float | None = None,
+        on_interrupted: Callable[[list[tuple[Any, ...]]], None] | None = None,
+    ) -> list[tuple[Any, ...]]:
+        """Run one statement and return its rows; on a broken connection raise ``LockError``.
+
+        ``session``: run only on that session (``generation``), never on a new one, else
+        raise :class:`SessionEnded` (a statement about an advisory key must not reconnect).
+        ``wait``: seconds to wait for another thread's statement at most, else raise
+        :class:`ConnectionBusy`. An exception raised while the statement is in flight (a
+        signal handler's, such as a job timeout) cancels and drains it before it
+        propagates, so the connection stays usable; ``on_interrupted`` then gets the rows
+        the statement returned anyway, if it completed.
+        """
         converted = _converted.get(query)
         if converted is None:
             converted = _converted[query] = _positional(query)
         statement, names = converted
         values = [params[name] for name in names]
-        with self.lock:
+        if not self.lock.acquire(timeout=-1 if wait is None else wait):
+            raise ConnectionBusy(
+                f"The lock connection for database alias {self.alias!r} stayed busy with "
+                f"another statement for {wait:.1f} s."
+            )
+        ended: int | None = None
+        try:
+            if session is not None and (not self.is_open() or self.generation != session):
+                raise SessionEnded(
+                    f"The lock session on database alias {self.alias!r} that held the key "
+                    "has ended."
+                )
             if self._conn is None or self._conn.closed or self._cursor is None:
                 self._conn = self._connect()
             try:
-                try:
-                    return self._run(statement, values)
-                except (
-                    psycopg.errors.DuplicatePreparedStatement,
-                    psycopg.errors.InvalidSqlStatementName,
-                    psycopg.errors.ProtocolViolation,  # a same-named statement of another query
-                ):
-                    # Prepared statements vanish or collide when a transaction-mode
-                    # pooler moves the session between server connections. Nothing ran:
-                    # run it again unprepared, and leave the advisory path for good.
-                    self._prepare = False
-                    self._found_pooler("its prepared statements came and went")
-                    return self._run(statement, values)
+                return self._run_or_retry(statement, values)
             except psycopg.OperationalError as exc:
                 if self._conn.broken or self._conn.closed:
-                    self._discard()
+                    ended = self._discard()
                     raise LockError(
                         f"The lock connection for database alias {self.alias!r} was lost: "
                         f"{_first_line(exc)}."
@@ -187,6 +236,57 @@ class LockConnection:
                 raise LockError(
                     f"A lock statement failed on database alias {self.alias!r}: {_first_line(exc)}."
                 ) from exc
+            except BaseException:
+                rows, ended = self._abort_in_flight()
+                if rows and on_interrupted is not None:
+                    on_interrupted(rows)
+                raise
+        finally:
+            self.lock.release()
+            if ended is not None:
+                _tell_session_ended(self, ended)
+
+    def _run_or_retry(self, statement: bytes, values: list[Any]) -> list[tuple[Any, ...]]:
+        try:
+            return self._run(statement, values)
+        except (
+            psycopg.errors.DuplicatePreparedStatement,
+            psycopg.errors.InvalidSqlStatementName,
+            psycopg.errors.ProtocolViolation,  # a same-named statement of another query
+        ):
+            # Prepared statements vanish or collide when a transaction-mode pooler
+            # moves the session between server connections. Nothing ran: run it
+            # again unprepared, and leave the advisory path for good.
+            self._prepare = False
+            self._found_pooler("its prepared statements came and went")
+            return self._run(statement, values)
+
+    def _abort_in_flight(self) -> tuple[list[tuple[Any, ...]], int | None]:
+        """After an exception that left a statement in flight: cancel it and read what
+        it returned, so the next statement finds the session idle. A session that cannot
+        be drained in time is closed instead (returns its generation as ended)."""
+        conn = self._conn
+        if conn is None or conn.closed or self._tx is None:
+            return [], None
+        pgconn = conn.pgconn
+        if pgconn.transaction_status != pq.TransactionStatus.ACTIVE:
+            return [], None
+        rows: list[tuple[Any, ...]] = []
+        try:
+            with contextlib.suppress(psycopg.Error):
+                conn.cancel_safe(timeout=DRAIN_TIMEOUT)
+            deadline = time.monotonic() + DRAIN_TIMEOUT
+            while pgconn.transaction_status == pq.TransactionStatus.ACTIVE:
+                if _fetch_results is None or time.monotonic() > deadline:
+                    raise TimeoutError("the interrupted statement did not end")
+                results = conn.wait(_fetch_results(pgconn), interval=0.1)
+                for result in results:
+                    if result.status == pq.ExecStatus.TUPLES_OK:
+                        self._tx.set_pgresult(result)
+                        rows = self._tx.load_rows(0, result.ntuples, tuple)
+            return rows, None
+        except BaseException:
+            return [], self._discard()
 
     def _run(self, statement: bytes, values: list[Any]) -> list[tuple[Any, ...]]:
         """Send one statement on the open session and return its rows (caller holds the lock).
@@ -283,6 +383,7 @@ class LockConnection:
 
     def probe(self) -> bool:
         """Check a session the server may have closed; ``False`` (and closed) if it did."""
+        ended = None
         with self.lock:
             if self._conn is None or self._conn.closed:
                 return False
@@ -290,23 +391,31 @@ class LockConnection:
                 self._conn.execute("SELECT 1")
                 return True
             except psycopg.Error:
-                self._discard()
-                return False
+                ended = self._discard()
+        if ended is not None:
+            _tell_session_ended(self, ended)
+        return False
 
     def is_open(self) -> bool:
         return self._conn is not None and not self._conn.closed
 
-    def _discard(self) -> None:
+    def _discard(self) -> int | None:
+        """Close the session; return its generation if one was open (its keys are gone:
+        the caller tells the listeners once it has let go of the lock)."""
         conn, self._conn, self._cursor, self._tx = self._conn, None, None, None
         self._prepared = {}
         self.backend_pid = None
-        if conn is not None:
-            with contextlib.suppress(psycopg.Error):
-                conn.close()
+        if conn is None:
+            return None
+        with contextlib.suppress(psycopg.Error):
+            conn.close()
+        return self.generation
 
     def close(self) -> None:
         with self.lock:
-            self._discard()
+            ended = self._discard()
+        if ended is not None:
+            _tell_session_ended(self, ended)
 
 
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
@@ -353,6 +462,14 @@ def _positional(query: str) -> tuple[bytes, tuple[str, ...]]:
     return _PLACEHOLDER.sub(number, query).encode(), tuple(names)
 
 
+def _tell_session_ended(conn: LockConnection, generation: int) -> None:
+    for listener in list(_session_listeners):
+        try:
+            listener(conn, generation)
+        except Exception:  # pragma: no cover - a listener bug must not break the caller
+            logger.exception("django_pglock: session-end listener raised")
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
@@ -377,13 +494,28 @@ def get_connection(alias: str) -> LockConnection:
         return conn
 
 
-def _forget_after_fork() -> None:
-    """Drop the parent's connections in a forked child without closing them.
+#: The parent's connections, kept referenced in a forked child so that they are never
+#: finalised there.
+_inherited: list[LockConnection] = []
 
-    psycopg does not finish a connection from a process other than the one that opened
-    it, so the parent's sessions stay intact.
+
+def _forget_after_fork() -> None:
+    """Drop the parent's connections in a forked child without ending their sessions.
+
+    The child's copy of each lock socket is pointed at ``/dev/null``: the parent's
+    session (and the advisory keys it holds) must end when the parent dies, not live on
+    in a child that keeps the socket open. Nothing is sent on it, and psycopg does not
+    finish a connection from a process other than the one that opened it.
     """
     global _registry_pid, _registry_lock
+    for conn in _registry.values():
+        fd = conn.fileno()
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                null = os.open(os.devnull, os.O_RDWR)
+                os.dup2(null, fd, inheritable=False)
+                os.close(null)
+        _inherited.append(conn)
     _registry.clear()
     _registry_pid = os.getpid()
     _registry_lock = threading.Lock()

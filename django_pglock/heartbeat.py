@@ -21,12 +21,13 @@ import time
 from typing import TYPE_CHECKING
 
 from . import sql
-from .connection import LockConnection, get_connection
+from .connection import LockConnection, get_connection, on_session_end
 from .events import call_metrics
 from .exceptions import LockError
+from .states import Key, State
 
 if TYPE_CHECKING:
-    from .lock import Lease
+    from .lease import Lease
 
 __all__ = ["beat", "registry"]
 
@@ -39,15 +40,23 @@ RETRY_INTERVAL = 0.1
 def beat(conn: LockConnection, leases: list[Lease]) -> None:
     """Heartbeat ``leases`` (all on ``conn``) in one statement and apply the outcome.
 
-    Raises ``LockError`` when the statement cannot run; the leases' local deadlines then
-    decide whether they are lost.
+    A lease holding its advisory key is confirmed only by a statement on the session that
+    holds the key: if that session ended, the lease is lost, never confirmed on a new
+    one. Raises ``LockError`` when the statement cannot run; the leases' local deadlines
+    then decide whether they are lost.
     """
+    for lease in leases:
+        lease._check_session(conn)
+    leases = [lease for lease in leases if lease.state is State.HELD]
     if not leases:
         return
+    keyed = [lease for lease in leases if lease._key_state is Key.HELD]
+    session = keyed[0]._generation if keyed else None
     sent = time.monotonic()
     rows = conn.execute(
         sql.HEARTBEAT,
         {"names": [lease.name for lease in leases], "tokens": [lease.token for lease in leases]},
+        session=session,
     )
     latency = time.monotonic() - sent
     by_token = {lease.token: lease for lease in leases}
@@ -66,7 +75,7 @@ def beat(conn: LockConnection, leases: list[Lease]) -> None:
 
 def leave_advisory_path(conn: LockConnection, leases: list[Lease]) -> None:
     """A pooler was detected: no row of ours may be judged by its session any longer."""
-    holding = [lease for lease in leases if lease._key_held]
+    holding = [lease for lease in leases if lease._key_state is Key.HELD]
     if holding:
         conn.execute(sql.DISABLE_ADVISORY, {"tokens": [lease.token for lease in holding]})
         for lease in holding:
@@ -105,6 +114,7 @@ class Registry:
                 self._last_beat[lease.using] = now
             held[lease.token] = lease
             self._idle_wait = min(lease.heartbeat_interval, lease.alert_after)
+            releasing = lease.state is State.RELEASING
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="django_pglock-heartbeat", daemon=True
@@ -123,7 +133,7 @@ class Registry:
             # start watching this connection's socket.
             conn = lease._conn
             watched = (conn.alias, conn.generation) in self._watched
-            soon = lease._pending or lease._wants_key or not watched
+            soon = releasing or lease._key_state is Key.WANTED or not watched
             soon = soon or now + self._idle_wait < self._next_wake
         if soon:
             self.wake()
@@ -175,23 +185,23 @@ class Registry:
             for lease in leases:
                 lease._check_session(conn)
                 wake_at = min(wake_at, lease._watch(now))
-                if lease._pending:
-                    try:
-                        lease._finish_release()
-                    except LockError as exc:
-                        logger.warning("django_pglock: releasing %r failed: %s", lease.name, exc)
-                    wake_at = min(wake_at, now + RETRY_INTERVAL)
-                if lease._wants_key and now >= lease._key_retry_at:
-                    try:
-                        lease._adopt_key(conn, now)
-                    except LockError as exc:
-                        logger.debug("django_pglock: taking %r's key failed: %s", lease.name, exc)
-                        lease._key_retry_at = now + RETRY_INTERVAL
-                if lease._wants_key:
+                state = lease.state
+                if state is State.RELEASING:
+                    wake_at = min(wake_at, lease._retry_release(now))
+                    continue
+                if lease._key_state is Key.WANTED:
+                    if now >= lease._key_retry_at:
+                        try:
+                            lease._adopt_key(conn, now)
+                        except LockError as exc:
+                            logger.debug(
+                                "django_pglock: taking %r's key failed: %s", lease.name, exc
+                            )
+                            lease._key_retry_at = now + RETRY_INTERVAL
                     wake_at = min(wake_at, lease._key_retry_at)
-                if not lease._lost_reason and not lease._done:
+                if state is State.HELD:
                     live.append(lease)
-                elif lease._lost_reason and not lease._done:
+                elif state is State.LOST:
                     watched.append(lease)  # lost by its deadline: still holds its key
             if not live and not watched:
                 continue
@@ -216,6 +226,11 @@ class Registry:
             wake_at = min(wake_at, due)
         return max(0.0, wake_at - time.monotonic())
 
+    def session_ended(self, conn: LockConnection, generation: int) -> None:
+        """A lock session ended: the leases whose key it held learn at once."""
+        for lease in self.leases(conn.alias):
+            lease._session_closed(generation)
+
     def _wait(self, timeout: float) -> None:
         """Sleep until ``timeout``, a wake-up, or the server closing a lock connection."""
         conns = {}
@@ -231,8 +246,6 @@ class Registry:
                     "django_pglock: the lock connection for %r was closed by the server",
                     conn.alias,
                 )
-                for lease in self.leases(conn.alias):
-                    lease._check_session(conn)
         try:
             while os.read(self._wake_r, 512):
                 pass
@@ -286,6 +299,15 @@ def release_all_at_exit() -> None:
 
 
 atexit.register(release_all_at_exit)
+
+
+def _session_ended(conn: LockConnection, generation: int) -> None:
+    held = _registry
+    if held is not None and held.pid == os.getpid():
+        held.session_ended(conn, generation)
+
+
+on_session_end(_session_ended)
 
 
 def registry() -> Registry:

@@ -62,17 +62,31 @@ _T = quote_name(TABLE)
 _RUNS = quote_name("django_pglock_jobrun")
 
 # Reclaimable: no heartbeat for the row's own stale_after by the database clock; or the
-# holder declared the advisory path, is another session, and its key was free for us to
-# take (`key`, below): a holder always holds its key while its session lives, so a free
-# key means that session has ended. A key held by anyone else only ever costs speed.
+# holder declared the advisory path and its key was free for us to take (`key`, below):
+# a holder always holds its key while its session lives, so a free key means that
+# session has ended. A key held by anyone else only ever costs speed.
 _RECLAIMABLE = """(
     now() - {j}.last_heartbeat > {j}.stale_after * interval '1 second'
-    OR ({j}.advisory AND {j}.backend_pid <> pg_backend_pid() AND (SELECT held FROM key))
+    OR ({j}.advisory AND (SELECT held FROM key))
 )"""
+
+# Does this session hold the key already? Advisory locks nest, so a session's own try
+# would succeed again: the key is tried only when it does not. Only a row carrying this
+# session's backend pid can be this session's own (another thread of this process holds
+# the name), or an ended session's that had the same server process (a session-mode
+# pooler hands the backend to the next client after DISCARD ALL); only then is pg_locks,
+# which is not cheap, looked at.
+_MINE = """CASE WHEN %(advisory)s AND EXISTS (SELECT 1 FROM cur WHERE cur.here) THEN EXISTS (
+        SELECT 1 FROM pg_locks l
+        WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted
+          AND l.objsubid = 1 AND l.classid = ((%(key)s::bigint >> 32) & 4294967295)::oid
+          AND l.objid = (%(key)s::bigint & 4294967295)::oid)
+    ELSE false END"""
 
 
 # Acquire in one statement. `cur` reads the current row from the snapshot (no lock);
-# `key` tries the advisory key (session-level) once. A free name is inserted with ON
+# `key` tries the advisory key (session-level) once, unless this session holds it
+# already (`prior`: then a live lease of this process owns the row). A free name is inserted with ON
 # CONFLICT DO NOTHING (`fresh`): a holder who got there first wins, and the refusal
 # neither locks the winner's row nor writes anything. A reclaimable row is first locked
 # FOR UPDATE SKIP LOCKED (`grab`: a guarded row is skipped, never waited for), and only
@@ -80,26 +94,21 @@ _RECLAIMABLE = """(
 # live holder reads the row once, from the snapshot); then it is taken over by an UPDATE
 # .. WHERE <reclaimable> (`taken`), re-checked on the latest row version. A refused
 # attempt gives the key back in the same statement: every outcome is one round trip.
-# Only a row about to be written sets the transaction's synchronous_commit back to the
-# server's own (the session default is off, see SESSION_SETUP), so a grant is durable
-# and a refusal pays nothing for it.
+# A refusal writes nothing, so its commit does not wait for the WAL (see SESSION_SETUP).
 _COLUMNS = """name, token, holder, host, pid, backend_pid, description, acquired_at,
         last_heartbeat, heartbeat_interval, alert_after, stale_after, advisory"""
-# acquired_at of a row about to be written; evaluating it makes the commit durable.
-_ACQUIRED_AT = """CASE WHEN set_config('synchronous_commit', %(durable)s, true) IS NOT NULL
-                THEN now() END"""
 _VALUES = f"""%(name)s, nextval('{SEQUENCE}'), %(holder)s, %(host)s, %(pid)s, pg_backend_pid(),
-           %(description)s, {_ACQUIRED_AT},
+           %(description)s, now(),
            now(), %(heartbeat_interval)s, %(alert_after)s, %(stale_after)s, key.held"""
 _TAKE_OVER = f"""token = nextval('{SEQUENCE}'), holder = %(holder)s, host = %(host)s,
         pid = %(pid)s, backend_pid = pg_backend_pid(), description = %(description)s,
-        acquired_at = {_ACQUIRED_AT},
+        acquired_at = now(),
         last_heartbeat = now(), heartbeat_interval = %(heartbeat_interval)s,
         alert_after = %(alert_after)s, stale_after = %(stale_after)s, advisory = key.held"""
 _GRANTED = "j.token, j.acquired_at, j.advisory, j.backend_pid"
 # The one-time gate of the reclaim: did the snapshot row look reclaimable? In both the
 # locking scan and the update, so that neither even looks at the row when it did not.
-_GATE = "(SELECT c.stale OR (c.foreign_advisory AND k.held) FROM cur c, key k)"
+_GATE = "(SELECT c.stale OR (c.advisory AND k.held) FROM cur c, key k)"
 
 
 def _acquire(record: bool) -> str:
@@ -110,10 +119,14 @@ WITH cur AS (
     SELECT c.token, c.holder, c.host, c.pid, c.acquired_at, c.description,
            extract(epoch FROM now() - c.last_heartbeat)::float8 AS age, c.alert_after,
            now() - c.last_heartbeat > c.stale_after * interval '1 second' AS stale,
-           c.advisory AND c.backend_pid <> pg_backend_pid() AS foreign_advisory
+           c.advisory AND c.backend_pid = pg_backend_pid() AS here, c.advisory
     FROM {_T} c WHERE c.name = %(name)s
+), prior AS MATERIALIZED (
+    SELECT {_MINE} AS mine
 ), key AS MATERIALIZED (
-    SELECT CASE WHEN %(advisory)s THEN pg_try_advisory_lock(%(key)s) ELSE false END AS held
+    SELECT CASE WHEN %(advisory)s AND NOT prior.mine THEN pg_try_advisory_lock(%(key)s)
+                ELSE false END AS held
+    FROM prior
 ), fresh AS (
     INSERT INTO {_T} AS j ({_COLUMNS})
     SELECT {_VALUES} FROM key WHERE NOT EXISTS (SELECT 1 FROM cur)
@@ -199,14 +212,15 @@ def _release(guarded: bool, record: bool) -> str:
 )"""
         present, settled = "false", "true"
     # With run history: finish the JobRun row once the release is settled. A run whose
-    # row was already gone was lost, whatever its body did.
+    # row was already gone was lost, whatever its body did; a run already finished (by
+    # an earlier attempt whose answer never arrived) is left as it is.
     run = (
         f""", run AS (
     UPDATE {_RUNS} SET finished_at = now(),
         duration = extract(epoch FROM now() - started_at)::float8,
         outcome = CASE WHEN EXISTS (SELECT 1 FROM del) THEN %(outcome)s ELSE 'lost' END,
         exit_code = %(exit_code)s
-    WHERE id = %(run_id)s AND {settled}
+    WHERE id = %(run_id)s AND finished_at IS NULL AND {settled}
 )"""
         if record
         else ""
@@ -331,17 +345,21 @@ ORDER BY acquired_at DESC, name
 
 # Once per new dedicated connection: bound every statement and every lock wait, so the
 # connection that carries all heartbeats is never stuck behind someone else's lock; plan
-# each prepared statement once (its plan does not depend on the values); and commit
-# heartbeats and releases without waiting for the WAL flush. Losing one of those in a
-# server crash is harmless: the crash ends every holder's session, so the row is
-# abandoned anyway, and the next grant's durable commit flushes the WAL before it.
-# Grants (ACQUIRE) commit with the server's own synchronous_commit, returned first.
+# each prepared statement once (its plan does not depend on the values); pin the
+# isolation level the statements are written for (a role or database default of
+# repeatable read would turn refusals into serialization errors); and make every commit
+# durable: a grant, a heartbeat the holder counts its deadline from, and a release the
+# caller was told about must all survive a server crash. The server's own
+# synchronous_commit is kept (with a synchronous standby, commits wait for it too),
+# except that 'off' becomes 'local'.
 SESSION_SETUP = """
-SELECT current_setting('synchronous_commit'),
+SELECT set_config('synchronous_commit',
+                  CASE current_setting('synchronous_commit') WHEN 'off' THEN 'local'
+                       ELSE current_setting('synchronous_commit') END, false),
        set_config('statement_timeout', %(statement_timeout)s, false),
        set_config('lock_timeout', %(lock_timeout)s, false),
        set_config('plan_cache_mode', 'force_generic_plan', false),
-       set_config('synchronous_commit', 'off', false),
+       set_config('default_transaction_isolation', 'read committed', false),
        pg_backend_pid()
 """
 

@@ -1,0 +1,109 @@
+"""The advisory key a lease may hold on its lock connection's session.
+
+A small machine of its own (:class:`~.states.Key`): a lease granted on the advisory
+path holds the key; one granted while a racing contender's statement held the key wants
+it, and the heartbeat thread takes it when it can; a lease gives the key back when it is
+released or its row is seen gone. Every change goes through ``KeyMixin._set_key``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TYPE_CHECKING
+
+from . import sql
+from .exceptions import LockError
+from .states import Key
+
+if TYPE_CHECKING:
+    from .connection import LockConnection
+
+__all__ = ["FIRST_KEY_RETRY", "LAST_KEY_RETRY", "KeyMixin"]
+
+
+#: How soon a lease granted without its advisory key tries to take it again (doubling up
+#: to its heartbeat interval, at most LAST_KEY_RETRY).
+FIRST_KEY_RETRY = 0.05
+LAST_KEY_RETRY = 1.0
+
+
+class KeyMixin:
+    """The key half of a :class:`~django_pglock.lease.Lease`."""
+
+    name: str
+    token: int
+    advisory: bool
+    heartbeat_interval: float
+    _key: int
+    _key_state: Key
+    _conn: LockConnection
+    _generation: int
+    _state_lock: threading.RLock
+    _release_lock: threading.Lock
+    _key_retry_at = 0.0
+    _key_retry_delay = FIRST_KEY_RETRY
+
+    def _session_ended(self) -> bool:  # pragma: no cover - defined by Lease
+        raise NotImplementedError
+
+    def _usable_for_key(self) -> bool:  # pragma: no cover - defined by Lease
+        raise NotImplementedError
+
+    def _set_key(self, to: Key, generation: int | None = None) -> None:
+        """The one place where the key state changes (caller holds ``_state_lock``)."""
+        if to is Key.HELD:
+            if generation is not None:
+                self._generation = generation
+            self.advisory = True
+        self._key_state = to
+
+    def _claim_key(self) -> bool:
+        """Take the duty to unlock the advisory key; true at most once per lease, and
+        only while the session that took the key is still the current one."""
+        with self._state_lock:
+            held = self._key_state is Key.HELD and not self._session_ended()
+            if self._key_state is Key.HELD:
+                self._set_key(Key.NONE)
+            return held
+
+    def _give_back_key(self) -> None:
+        if self._claim_key():
+            # If the session ended meanwhile, the key went with it.
+            with contextlib.suppress(LockError):
+                self._conn.execute(sql.UNLOCK, {"key": self._key}, session=self._generation)
+
+    def _adopt_key(self, conn: LockConnection, now: float) -> None:
+        """Try once to take the advisory key this lease was granted without.
+
+        A contender held the key for the length of its own statement when this lease
+        was granted; once this session holds it and the row says so, a crash of this
+        process frees the name at once, as for any other advisory lease.
+        """
+        with self._release_lock:  # a release cannot claim the key meanwhile
+            with self._state_lock:
+                if not self._usable_for_key() or conn.pooled:
+                    self._set_key(Key.NONE)
+                    return
+            with conn.lock:
+                rows = conn.execute(
+                    sql.ADOPT_KEY,
+                    {"name": self.name, "token": self.token, "key": self._key},
+                    session=self._generation,
+                )
+                generation = conn.generation
+            adopted = bool(rows[0][0])
+            with self._state_lock:
+                if not adopted:
+                    self._key_retry_at = now + self._key_retry_delay
+                    self._key_retry_delay = min(
+                        self._key_retry_delay * 2, self.heartbeat_interval, LAST_KEY_RETRY
+                    )
+                    return
+                if self._usable_for_key() and conn.generation == generation:
+                    self._set_key(Key.HELD, generation)
+                    return
+                self._set_key(Key.NONE)
+        # Lost while the key was being taken: nobody else will give it back.
+        with contextlib.suppress(LockError):
+            conn.execute(sql.UNLOCK, {"key": self._key}, session=generation)

@@ -1,0 +1,353 @@
+"""``Lease``: a granted lock, its lifecycle states, and the one place where they change.
+
+A lease is in exactly one :class:`~.states.State`. Every change goes through
+``Lease._advance``, which checks it against :data:`~.states.TRANSITIONS`; the callers
+then do the change's work (signals, the registry, statements) outside the state lock.
+The advisory key a lease may hold on the lock connection's session is a second, smaller
+machine (:class:`~.states.Key`, :mod:`.keys`); releasing is in :mod:`.releasing`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from django.db import connections
+
+from . import heartbeat, signals, sql
+from .conf import Thresholds
+from .connection import LockConnection
+from .events import call_metrics, send
+from .exceptions import LockError, LockNotHeld
+from .identity import current
+from .keys import KeyMixin
+from .releasing import ReleaseMixin
+from .states import TRANSITIONS, Key, State
+
+if TYPE_CHECKING:
+    from .lock import Lock
+
+__all__ = ["TRANSITIONS", "Lease", "State"]
+
+logger = logging.getLogger("django_pglock")
+
+
+#: Which lease each thread holds by name, so that the same thread acquiring a name it
+#: holds fails at once instead of waiting for itself: (alias, name) -> lease.
+_owned: dict[tuple[str, str], Lease] = {}
+
+
+def safety_margin(thresholds: Thresholds) -> float:
+    """How long before ``stale_after`` the holder gives up on an unconfirmed lease."""
+    return min(thresholds.heartbeat_interval, thresholds.stale_after * 0.1)
+
+
+def held_by_this_thread(alias: str, name: str) -> Lease | None:
+    """The lease on ``name`` that the calling thread holds, if any."""
+    lease = _owned.get((alias, name))
+    if lease is None or lease._owner is not threading.current_thread():
+        return None
+    return lease if lease.state is State.HELD and lease._pid == os.getpid() else None
+
+
+class Lease(KeyMixin, ReleaseMixin):
+    """A granted lock: the right to run until released or lost.
+
+    Attributes: ``name``, ``token`` (the fencing token of this grant), ``holder`` (this
+    process's holder id), ``acquired_at`` (database time), ``using`` (database alias),
+    ``state`` (a :class:`State`). A lease is also a context manager: leaving it releases
+    the lock, and raises :class:`LockNotHeld` if the lease was lost while the block ran
+    without error.
+    """
+
+    state = State.HELD
+    _lost_reason: str | None = None
+    _alerting = False
+    _guarded = False  # guard() was called: the release must not wait for the row
+    _outcome = "succeeded"
+    _owner: threading.Thread | None = None
+    #: Exit status of the wrapped program, recorded in the run history (locked_run).
+    exit_code: int | None = None
+    #: Once lost: the monotonic instant by which work done under the lease must have
+    #: stopped, because a contender may hold the name from then on (``None`` while held).
+    kill_deadline: float | None = None
+
+    def __init__(
+        self,
+        lock: Lock,
+        conn: LockConnection,
+        token: int,
+        acquired_at: datetime.datetime,
+        advisory: bool,
+        sent: float,
+        thresholds: Thresholds,
+        run_id: int | None,
+        *,
+        holder: str,
+        key: int,
+    ) -> None:
+        self.name = lock.name
+        self.token = token
+        self.holder = holder
+        self.acquired_at = acquired_at
+        self.using = conn.alias
+        self.heartbeat_interval = thresholds.heartbeat_interval
+        self.alert_after = thresholds.alert_after
+        self.stale_after = thresholds.stale_after
+        self.advisory = advisory
+        self._key_state = Key.NONE
+        self._lock = lock
+        self._conn = conn
+        self._key = key
+        self._generation = conn.generation
+        self._pid = conn.pid
+        self._margin = safety_margin(thresholds)
+        self._confirmed_at = sent
+        self._deadline = sent + thresholds.stale_after - self._margin
+        self._started = sent
+        self._state_lock = threading.RLock()
+        self._release_lock = threading.Lock()
+        self._on_lost: list[Callable[[Lease], None]] = []
+        self._run_id = run_id  # the JobRun row of a recorded run
+        if advisory:
+            self._set_key(Key.HELD)
+
+    def __repr__(self) -> str:
+        return f"<Lease {self.name!r} token={self.token} {self.state.value}>"
+
+    # -- the one place where the state changes ----------------------------------------
+
+    def _advance(self, to: State, reason: str | None = None) -> bool:
+        """Move to ``to`` if :data:`TRANSITIONS` allows it; ``False`` (no change) if not.
+
+        ``reason`` records why the lease is lost (with ``LOST``, or with ``RELEASED``
+        when the release found the row gone).
+        """
+        with self._state_lock:
+            if to not in TRANSITIONS[self.state]:
+                return False
+            self.state = to
+            if reason is not None and self._lost_reason is None:
+                self._lost_reason = reason
+            if to is State.LOST:
+                self.kill_deadline = self._contender_may_start(reason)
+        if _owned.get((self.using, self.name)) is self:
+            _owned.pop((self.using, self.name), None)  # no thread holds it any longer
+        return True
+
+    def _own(self) -> None:
+        """Record the calling thread as this lease's holder (sync acquires only)."""
+        self._owner = threading.current_thread()
+        _owned[(self.using, self.name)] = self
+
+    # -- public API -------------------------------------------------------------------
+
+    @property
+    def lost(self) -> bool:
+        """``True`` once the lease may have been lost (it never becomes ``False`` again)."""
+        if os.getpid() != self._pid:
+            return True
+        if self.state is State.HELD and time.monotonic() > self._deadline:
+            self._mark_lost("no heartbeat was confirmed before the local deadline")
+        return self._lost_reason is not None
+
+    def check(self) -> None:
+        """Raise :class:`LockNotHeld` unless the lease is held, asking the database."""
+        self._require_held()
+        rows = self._conn.execute(sql.CHECK, {"name": self.name, "token": self.token})
+        self._check_session(self._conn)
+        if not rows[0][0]:
+            self._mark_lost("its row is gone or belongs to another holder", row_gone=True)
+        self._require_held()
+
+    def guard(self) -> None:
+        """Fence the caller's transaction: call inside ``transaction.atomic(using=...)``.
+
+        Locks the lease's row in that transaction so that no reclaim or forced release
+        can happen before it ends; raises :class:`LockNotHeld` if the lease is gone.
+        Heartbeats go on meanwhile, and releasing the lease inside the transaction does
+        not deadlock: the row is deleted as soon as the transaction ends.
+        """
+        self._require_held()
+        connection = connections[self.using]
+        if not connection.in_atomic_block:
+            raise LockError(
+                f"lease.guard() for lock {self.name!r} ran outside a transaction; call it inside "
+                f"transaction.atomic(using={self.using!r}) so the fence lasts until commit."
+            )
+        self._guarded = True
+        with connection.cursor() as cursor:
+            cursor.execute(sql.GUARD, {"name": self.name, "token": self.token})
+            row = cursor.fetchone()
+        if row is None:
+            self._mark_lost("its row is gone or belongs to another holder", row_gone=True)
+        self._require_held()
+
+    def beat(self) -> None:
+        """Heartbeat now (the heartbeat thread does this on its own every interval)."""
+        self._require_held()
+        heartbeat.beat(self._conn, [self])
+        self._check_session(self._conn)
+        self._require_held()
+
+    def on_lost(self, callback: Callable[[Lease], None]) -> None:
+        """Call ``callback(lease)`` (from the heartbeat thread) when the lease is lost."""
+        self._on_lost.append(callback)
+        if self._lost_reason is not None:
+            callback(self)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        lost = self.lost
+        if lost:
+            self._outcome = "lost"
+        elif exc_type is not None:
+            self._outcome = "failed"
+        try:
+            self.release()
+        except LockError as error:
+            logger.warning("django_pglock: %s", error)
+        # A row found gone at release was lost while the block ran, too.
+        lost = lost or self._lost_reason is not None
+        if lost and exc_type is None:
+            raise LockNotHeld(
+                f"Lock {self.name!r} (token {self.token}) was lost while the block ran: "
+                f"{self._lost_reason or 'it belongs to the parent process'}."
+            )
+
+    # -- internals used by the heartbeat thread ---------------------------------------
+
+    def _require_held(self) -> None:
+        if os.getpid() != self._pid:
+            raise LockNotHeld(
+                f"Lock {self.name!r} (token {self.token}) belongs to process {self._pid}; "
+                "a forked child inherits no lease. Acquire the lock in the child instead."
+            )
+        if self.lost:
+            raise LockNotHeld(
+                f"Lock {self.name!r} (token {self.token}) was lost: {self._lost_reason}."
+            )
+        if self.state is not State.HELD:
+            raise LockNotHeld(f"Lock {self.name!r} (token {self.token}) was released.")
+
+    def _confirm(self, sent: float) -> None:
+        """A heartbeat sent at ``sent`` (monotonic) updated the row, durably."""
+        with self._state_lock:
+            if sent > self._confirmed_at:
+                self._confirmed_at = sent
+                self._deadline = sent + self.stale_after - self._margin
+            self._alerting = False
+
+    def _watch(self, now: float) -> float:
+        """Enforce the local deadline and raise alerts; return when to look again."""
+        if self.state is not State.HELD:
+            return now + 60.0
+        if now > self._deadline:
+            self._mark_lost("no heartbeat was confirmed before the local deadline")
+            return now + 60.0
+        age = now - self._confirmed_at
+        with self._state_lock:
+            alert = age > self.alert_after and not self._alerting
+            self._alerting = self._alerting or alert
+        if alert:
+            holder = {"holder": self.holder, "host": current().host, "pid": self._pid}
+            send(
+                signals.lock_alert,
+                self._lock,
+                name=self.name,
+                holder=holder,
+                heartbeat_age=age,
+                lease=self,
+            )
+            call_metrics(self._lock._hooks(), "alert", self.name, age)
+        next_alert = self._confirmed_at + self.alert_after if not self._alerting else self._deadline
+        return min(self._deadline, next_alert) + 0.001
+
+    def _check_session(self, conn: LockConnection) -> None:
+        """An advisory lease dies with the session that took the key."""
+        if self._key_state is Key.HELD and self.state is State.HELD and self._session_ended():
+            self._mark_lost("its database session ended, so a contender may take over at once")
+
+    def _session_ended(self) -> bool:
+        conn = self._conn
+        return not conn.is_open() or conn.generation != self._generation
+
+    def _usable_for_key(self) -> bool:
+        return self.state is State.HELD and self._conn.generation == self._generation
+
+    def _contender_may_start(self, reason: str | None) -> float:
+        """When a contender may hold the name, for a lease being lost now.
+
+        A gone row or an ended session (advisory path) lets one in at once; otherwise
+        the last confirmed heartbeat (sent no later than the database stamped it) plus
+        ``stale_after``, less half the safety margin to stop the work and reap it.
+        """
+        now = time.monotonic()
+        if reason in (_ROW_GONE, _SESSION_ENDED):
+            return now
+        return max(now, self._confirmed_at + self.stale_after - self._margin / 2)
+
+    def _mark_lost(self, reason: str, *, row_gone: bool = False) -> None:
+        if row_gone:
+            reason = _ROW_GONE
+        elif self._key_state is Key.HELD and self._session_ended():
+            reason = _SESSION_ENDED
+        if not self._advance(State.LOST, reason):
+            return
+        if row_gone:
+            # Someone else owns the name now: give the advisory key back at once.
+            self._give_back_key()
+        if self._key_state is not Key.HELD:
+            heartbeat.registry().discard(self)
+        # Otherwise the row may still be ours (a missed deadline): the heartbeat thread
+        # keeps the key, and so the holder's precedence, until the row is seen gone.
+        self._announce_lost(reason)
+
+    def _announce_lost(self, reason: str) -> None:
+        logger.warning("django_pglock: lock %r (token %s) lost: %s", self.name, self.token, reason)
+        send(signals.lock_lost, self._lock, lease=self, reason=reason)
+        call_metrics(self._lock._hooks(), "lost", self.name)
+        for callback in list(self._on_lost):
+            try:
+                callback(self)
+            except Exception:
+                logger.exception("django_pglock: on_lost callback for %r raised", self.name)
+
+    def _recheck_lost(self) -> None:
+        """For a lease lost by its deadline: once its row is gone, give the key back."""
+        rows = self._conn.execute(sql.CHECK, {"name": self.name, "token": self.token})
+        if not rows[0][0] or self._key_state is not Key.HELD:
+            self._give_back_key()
+            heartbeat.registry().discard(self)
+
+    def _session_closed(self, generation: int) -> None:
+        """The session ``generation`` ended: a key it held is gone with it."""
+        if self._key_state is Key.HELD and self._generation == generation:
+            if self.state is State.HELD:
+                self._mark_lost(_SESSION_ENDED)
+            elif self.state is State.LOST:
+                self._give_back_key()
+                heartbeat.registry().discard(self)
+
+
+def _forget_after_fork() -> None:
+    _owned.clear()  # a forked child inherits no lease
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+_ROW_GONE = "its row is gone or belongs to another holder"
+_SESSION_ENDED = "its database session ended, so a contender may take over at once"

@@ -1,0 +1,83 @@
+"""A lock's name and options: validation, and resolution against the settings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+
+from django.core.exceptions import ImproperlyConfigured
+
+from . import sql
+from .conf import check_seconds, generation
+from .connection import validate_alias
+
+if TYPE_CHECKING:
+    from .lock import Lock
+
+__all__ = ["MAX_NAME_LENGTH", "Option", "Resolved", "validate_name"]
+
+MAX_NAME_LENGTH = 255
+
+
+def validate_name(name: object) -> str:
+    """Return ``name`` if it can name a lock, else raise ``ValueError`` saying why."""
+    if not isinstance(name, str):
+        raise ValueError(f"Lock name {name!r} is a {type(name).__name__}; pass a string.")
+    if not name:
+        raise ValueError("Lock name '' is empty; pass a non-empty string such as 'nightly-report'.")
+    if len(name) > MAX_NAME_LENGTH:
+        raise ValueError(
+            f"Lock name {name[:40]!r}... is {len(name)} characters long; "
+            f"the limit is {MAX_NAME_LENGTH}."
+        )
+    if "\x00" in name:
+        raise ValueError(f"Lock name {name!r} contains a NUL character; remove it.")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"Lock name {name!r} cannot be stored as UTF-8 (it holds a lone surrogate); "
+            "pass a name made of valid text."
+        ) from None
+    return name
+
+
+T = TypeVar("T")
+
+
+class Option(Generic[T]):
+    """A ``Lock`` option: its constructor argument, else the ``DJANGO_PGLOCK`` setting."""
+
+    def __init__(self, argument: str, kind: Callable[[Any], T], doc: str) -> None:
+        self.argument = argument
+        self.kind = kind
+        self.__doc__ = f"{doc} The argument, else the setting, read at each use."
+
+    @overload
+    def __get__(self, lock: None, owner: type[Lock]) -> Option[T]: ...
+
+    @overload
+    def __get__(self, lock: Lock, owner: type[Lock]) -> T: ...
+
+    def __get__(self, lock: Lock | None, owner: type[Lock]) -> Option[T] | T:
+        if lock is None:
+            return self
+        return self.kind(lock._option(self.argument)[0])
+
+
+class Resolved:
+    """A lock's options resolved against the settings of one generation (see ``conf``)."""
+
+    __slots__ = ("advisory", "alias", "generation", "key", "name", "poll", "thresholds")
+
+    def __init__(self, lock: Lock) -> None:
+        self.generation = generation()
+        self.name = lock.name
+        self.alias = validate_alias(lock._option("database")[0])
+        self.thresholds = lock._resolve_thresholds()
+        self.poll = check_seconds(*reversed(lock._option("poll_interval")))
+        wanted, label = lock._option("advisory")
+        if not isinstance(wanted, bool):
+            raise ImproperlyConfigured(f"{label} = {wanted!r} must be True or False.")
+        self.advisory = wanted
+        self.key = sql.advisory_key(lock.name)
