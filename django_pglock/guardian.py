@@ -16,8 +16,12 @@ milliseconds to start) that
   end only ``locked_run`` holds) and then SIGKILLs the group at once: nobody heartbeats
   any more;
 * takes its orders from ``locked_run`` over that pipe (``signal <n> <kill after>``,
-  ``kill``) and ignores the terminal's signals itself;
-* reports ``started <pid>`` (or ``failed <errno>``), ``exited <status>`` and ``gone``.
+  ``kill``, ``expire <instant>``) and ignores the terminal's signals itself;
+* keeps a dead man's switch: ``locked_run`` moves its instant on with every confirmed
+  heartbeat (to where a contender could reclaim the lock, less half the safety margin),
+  so that a ``locked_run`` that hangs or is stopped cannot let its job outlive the lease;
+* reports ``started <pid>`` (or ``failed <errno>``), ``exited <status>``, ``expired``
+  and ``gone``.
 
 After the job's leader exits, leftover members of its group get SIGTERM, and SIGKILL
 after the kill grace. Without ``prctl`` (not Linux) orphans are reaped by init instead
@@ -100,6 +104,10 @@ class _Guardian:
         self.pgid = 0
         self.status: int | None = None  # the leader's exit status, once reaped
         self.kill_at = math.inf  # when the group gets SIGKILL
+        # The dead man's switch: SIGKILL at this instant (time.monotonic(), a clock
+        # shared by all processes), unless locked_run, having heard of a newer heartbeat,
+        # moves it on. It kills the job even if locked_run hangs or is stopped.
+        self.expire_at = math.inf
         self.cleaning = False  # the leader is gone: its leftovers are being stopped
         self._wake_r, wake_w = os.pipe()
         for fd in (self._wake_r, wake_w):
@@ -138,6 +146,9 @@ class _Guardian:
                 self.report(f"exited {self.status}")
                 if group_alive(self.pgid):  # leftovers: what the leader started and left
                     self._order_signal(signal.SIGTERM, self.grace, now)
+            if now >= self.expire_at and self.kill_at > now:
+                self.report("expired")
+                self.kill_at = now
             if now >= self.kill_at:
                 _signal_group(self.pgid, signal.SIGKILL)  # again, for any late fork
             if self.cleaning and not group_alive(self.pgid):
@@ -147,8 +158,9 @@ class _Guardian:
 
     def _wait(self, now: float) -> None:
         timeout: float | None = None
-        if self.kill_at is not math.inf:
-            timeout = max(0.0, self.kill_at - now) if now < self.kill_at else POLL
+        kill_at = min(self.kill_at, self.expire_at)
+        if kill_at is not math.inf:
+            timeout = max(0.0, kill_at - now) if now < kill_at else POLL
         if self.cleaning:
             timeout = POLL if timeout is None else min(timeout, POLL)
         watched = [self._wake_r] + ([self.orders] if self.orders is not None else [])
@@ -172,17 +184,19 @@ class _Guardian:
             order = line.split()
             if order[:1] == ["kill"]:
                 self.kill_at = now
+            elif order[:1] == ["expire"] and len(order) == 2:
+                self.expire_at = float(order[1])
             elif order[:1] == ["signal"] and len(order) == 3:
                 self._order_signal(int(order[1]), float(order[2]), now)
 
     def _order_signal(self, signum: int, kill_after: float, now: float) -> None:
         """Send ``signum`` to the group, and SIGKILL ``kill_after`` seconds later at most."""
-        if kill_after >= 0:
-            self.kill_at = min(self.kill_at, now + kill_after)
-        if now < self.kill_at:
+        if now < self.kill_at:  # not being killed already
             _signal_group(self.pgid, signum)
             if signum == signal.SIGTERM:
                 _signal_group(self.pgid, signal.SIGCONT)  # a stopped member must hear it
+        if kill_after >= 0:
+            self.kill_at = min(self.kill_at, now + kill_after)
 
     def _reap(self) -> None:
         """Reap every child: the leader, and orphans of the group re-parented to us."""
@@ -254,6 +268,7 @@ class GuardedJob:
         self.exit_code: int | None = None  # as Popen.returncode: -N for signal N
         self.gone = False  # no process of the job's group runs any more
         self.guardian_failed = False  # the guardian died before the group was gone
+        self.expired = False  # the dead man's switch killed the job (see expire_at())
         self._buffer = b""
         orders_r, self._orders = os.pipe()
         self._reports, reports_w = os.pipe()
@@ -319,17 +334,22 @@ class GuardedJob:
                 self.exit_code = int(value)
             elif kind == "gone":
                 self.gone = True
+            elif kind == "expired":
+                self.expired = True
         return True
 
     def forward(self, signum: int, kill_after: float | None) -> None:
         """Send ``signum`` to the job's group; SIGKILL it ``kill_after`` s later at most."""
-        if kill_after is not None and kill_after <= 0:
-            self._order("kill")
-        else:
-            self._order(f"signal {int(signum)} {-1.0 if kill_after is None else kill_after!r}")
+        later = -1.0 if kill_after is None else max(0.0, kill_after)
+        self._order(f"signal {int(signum)} {later!r}")
 
     def kill(self) -> None:
+        """SIGKILL the job's group now."""
         self._order("kill")
+
+    def expire_at(self, instant: float) -> None:
+        """SIGKILL the job's group at ``instant`` (``time.monotonic()``) unless moved on."""
+        self._order(f"expire {instant!r}")
 
     def _order(self, line: str) -> None:
         if self._orders < 0:

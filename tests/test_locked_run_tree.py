@@ -267,7 +267,6 @@ def test_leftovers_of_a_clean_exit_are_stopped_before_the_lock_is_free(
     job = ["tree", "--pids", pids, "--exit", "3"]
     if ignoring:
         job.append("--children-ignore-term")
-    started = time.time()
     runner = locked_run(procs, name, *job, options=("--kill-grace", "0.5"))
     result = procs.finish(runner, timeout=20)
     seen.stop()
@@ -278,10 +277,12 @@ def test_leftovers_of_a_clean_exit_are_stopped_before_the_lock_is_free(
     assert [s for s in seen.samples if s[1] is None and s[2]] == [], (
         "the lock was free while leftovers of the job ran"
     )
-    if ignoring:
-        last = seen.last_alive()
-        assert last is not None and last - started > 0.5  # SIGKILLed at the grace
-        print(f"\n[measure] start -> leftovers ignoring SIGTERM last seen: {last - started:.3f}s")
+    if ignoring:  # SIGTERMed as the leader exits (ignored), SIGKILLed at the grace
+        left = pids.stat().st_mtime  # the leader wrote the file and exited
+        last = seen.last_alive() - left
+        print(f"\n[measure] leader's exit -> leftovers ignoring SIGTERM last seen: {last:.3f}s")
+        assert 0.4 < last < 3
+        assert [s for s in seen.samples if s[0] > left + 0.3 and s[1] is not None and s[2]]
 
 
 # -- lease loss: SIGKILL before a contender could take the lock, whatever the grace ------------
@@ -379,3 +380,80 @@ def test_exits_75_promptly_while_the_lock_connection_is_stuck(procs, tmp_path, d
     assert still_stopped  # it exited while its lock connection was still stuck
     assert all_dead(tree)
     assert took < 6, f"locked_run took {took:.1f}s to exit after losing its lease"
+
+
+def children_of(pid):
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                fields = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    found.append((int(entry.name), (entry / "cmdline").read_bytes()))
+    return found
+
+
+def test_if_the_guardian_dies_locked_run_kills_the_group_itself(procs, tmp_path, db, watch):
+    name = unique("guardian")
+    pids = tmp_path / "pids"
+    runner = locked_run(procs, name, "tree", "--pids", pids, "--all-ignore-term")
+    wait_for_file(pids, procs=[runner])
+    tree = read_pids(pids)
+    token, _ = row_of(db, name)
+    (guardian,) = [pid for pid, cmdline in children_of(runner.pid) if b"guardian.py" in cmdline]
+    seen = watch(name, pids)
+    wait_until(lambda: seen.samples, 10, "the watch took no sample")
+    os.kill(guardian, signal.SIGKILL)
+    result = procs.finish(runner, timeout=20)
+    seen.stop()
+
+    assert result.returncode == 128 + signal.SIGKILL, result.stderr
+    assert "guardian" in result.stderr
+    assert all_dead(tree)
+    assert row_of(db, name) is None
+    assert seen.overlaps(token) == [], "the lock was free while the job ran"
+
+
+def test_a_stopped_locked_run_cannot_let_its_job_outlive_the_lease(procs, tmp_path, db, watch):
+    """locked_run itself hangs (SIGSTOP): its session stays up, its heartbeats stop, and a
+    contender reclaims at ``stale_after``. The guardian's dead man's switch SIGKILLs the job
+    (ignoring SIGTERM, --kill-grace 60) before that."""
+    name = unique("hung")
+    pids, probe = tmp_path / "pids", tmp_path / "probe.json"
+    runner = locked_run(
+        procs,
+        name,
+        "tree",
+        "--pids",
+        pids,
+        "--all-ignore-term",
+        options=(*SMALL, "--kill-grace", "60"),
+    )
+    wait_for_file(pids, procs=[runner])
+    tree = read_pids(pids)
+    token, _ = row_of(db, name)
+    seen = watch(name, pids)
+    try:
+        runner.send_signal(signal.SIGSTOP)
+        stopped_at = time.time()
+        contender = locked_run(
+            procs, name, "probe", "--pids", pids, "--out", probe, options=(*SMALL, *WAITER)
+        )
+        contended = procs.finish(contender, timeout=30)
+        found = json.loads(probe.read_text())
+        assert contended.returncode == 0, contended.stderr
+    finally:
+        runner.send_signal(signal.SIGCONT)
+    result = procs.finish(runner, timeout=20)
+    seen.stop()
+
+    assert found["alive"] == [], f"the first job's {found['alive']} ran when the contender started"
+    assert all_dead(tree)
+    assert seen.overlaps(token) == []
+    killed = seen.last_alive() - stopped_at
+    print(
+        f"\n[measure] locked_run stopped -> job SIGKILLed {killed:.3f}s, "
+        f"contender's job started {found['time'] - stopped_at:.3f}s (stale 3 s, grace 60 s)"
+    )
+    assert result.returncode == EXIT_LOST, result.stderr
+    assert "was lost" in result.stderr

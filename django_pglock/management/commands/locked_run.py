@@ -13,6 +13,7 @@ import random
 import select
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from types import FrameType
@@ -191,9 +192,8 @@ class Command(BaseCommand):
         process group is waited for.
         """
         grace = options["kill_grace"]
-        wake_r, wake_w = os.pipe()  # the lease's loss wakes the loop below
-        os.set_blocking(wake_w, False)
-        lease.on_lost(lambda _lease: _poke(wake_w))
+        wakeup = _Wakeup()  # the lease's loss wakes the loop in _watch()
+        lease.on_lost(lambda _lease: wakeup.poke())
         env = dict(os.environ)
         env["DJANGO_PGLOCK_NAME"] = lease.name
         env["DJANGO_PGLOCK_TOKEN"] = str(lease.token)
@@ -228,12 +228,11 @@ class Command(BaseCommand):
                     os.close(hold)
             for signum in early:
                 job.forward(signum, grace)
-            self._watch(job, lease, wake_r, options)
+            self._watch(job, lease, wakeup, options)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            os.close(wake_r)
-            os.close(wake_w)
+            wakeup.close()
         assert job is not None
         if job.guardian_failed:
             self.stderr.write(
@@ -246,53 +245,104 @@ class Command(BaseCommand):
             return 128 + signal.SIGKILL
         return 128 - code if code < 0 else code
 
-    def _watch(self, job: GuardedJob, lease: Lease, wake_r: int, options: dict[str, Any]) -> None:
+    def _watch(
+        self, job: GuardedJob, lease: Lease, wakeup: _Wakeup, options: dict[str, Any]
+    ) -> None:
         """Wait until the job's process group is gone, acting on the lease's loss."""
+        terminate = options["on_lost"] == "terminate"
         handled = False
-        while job.poll(0):
-            if job.gone:
-                break
+        expires = 0.0
+        while job.poll(0) and not job.gone:
             # lease.lost also turns true at the local deadline, even while the
             # heartbeat thread is stuck on an unresponsive server.
             if not handled and lease.lost:
                 handled = True
-                if options["on_lost"] == "continue":
+                if terminate:
+                    self._stop_on_loss(job, lease, options["kill_grace"])
+                else:
                     self.stderr.write(
                         f"Lock {lease.name!r} was lost; the command goes on (--on-lost continue)."
                     )
-                else:
-                    self._stop_on_loss(job, lease, options["kill_grace"])
-            with contextlib.suppress(InterruptedError):
-                ready = select.select([job.fileno(), wake_r], [], [], 0.25)[0]
-                if wake_r in ready:
-                    os.read(wake_r, 512)
+            elif not handled and terminate and _held_until(lease) != expires:
+                expires = _held_until(lease)
+                job.expire_at(expires)
+            select.select([job.fileno(), wakeup.fileno()], [], [], 0.25)
+            wakeup.drain()
         job.wait_gone()
+        if job.expired and not handled:  # this process was too slow to see its own loss
+            self.stderr.write(
+                f"Lock {lease.name!r} was lost (no heartbeat was confirmed in time); "
+                "the command was killed."
+            )
+            self.terminated = True
 
     def _stop_on_loss(self, job: GuardedJob, lease: Lease, grace: float) -> None:
         """SIGTERM the job's group; SIGKILL it by the lease's kill deadline at the latest."""
         if job.exit_code is None:
             self.stderr.write(f"Lock {lease.name!r} was lost; terminating the command.")
             self.terminated = True
-        now = time.monotonic()
         deadline = lease.kill_deadline
+        for _ in range(100):  # set together with the loss, by whichever thread saw it
+            if deadline is not None:
+                break
+            time.sleep(0.001)
+            deadline = lease.kill_deadline
+        now = time.monotonic()
+        if deadline is None:
+            deadline = now  # not known: assume the worst
         kill_after = grace
-        if deadline is not None and deadline - now < grace:
+        if deadline - now < grace:
             kill_after = max(0.0, deadline - now)
             when = (
                 "at once"
                 if kill_after == 0
-                else f"in {kill_after:.1f}s (its stale_after, from the last confirmed heartbeat)"
+                else f"in {kill_after:.1f}s (stale_after after its last confirmed heartbeat)"
             )
             self.stderr.write(
                 f"Lock {lease.name!r}: another instance may take the lock {when}, so the "
-                f"command's kill grace is cut from {grace:g}s to {kill_after:.1f}s."
+                f"kill grace is cut from {grace:g}s to {kill_after:.1f}s."
             )
-        job.forward(signal.SIGTERM, kill_after)
+        if kill_after > 0:
+            job.forward(signal.SIGTERM, kill_after)
+        else:
+            job.kill()
 
 
-def _poke(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.write(fd, b"x")
+class _Wakeup:
+    """A pipe that other threads write to, to wake a ``select`` (safe after ``close``)."""
+
+    def __init__(self) -> None:
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._read, False)
+        os.set_blocking(self._write, False)
+        self._lock = threading.Lock()
+
+    def fileno(self) -> int:
+        return self._read
+
+    def poke(self) -> None:
+        with self._lock, contextlib.suppress(OSError):
+            if self._write >= 0:
+                os.write(self._write, b"x")
+
+    def drain(self) -> None:
+        with contextlib.suppress(OSError):
+            os.read(self._read, 512)
+
+    def close(self) -> None:
+        with self._lock:
+            os.close(self._read)
+            os.close(self._write)
+            self._read = self._write = -1
+
+
+def _held_until(lease: Lease) -> float:
+    """When the job must be dead if no later heartbeat is confirmed (``time.monotonic()``).
+
+    The lease's kill deadline for a loss by its local deadline: the last confirmed
+    heartbeat plus ``stale_after``, less half the safety margin.
+    """
+    return float(lease._confirmed_at + lease.stale_after - lease._margin / 2)
 
 
 def _lock_socket(lease: Lease) -> int | None:
