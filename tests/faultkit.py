@@ -772,12 +772,32 @@ class TcpProxy:
 
 
 class PgBouncer:
-    """Debian's pgbouncer on ``127.0.0.1:<port>`` in front of ``server`` (trust auth)."""
+    """Debian's pgbouncer on ``127.0.0.1:<port>`` in front of ``server`` (trust auth).
 
-    def __init__(self, server: PgServer, pool_mode: str, *, pool_size: int = 4) -> None:
+    Unset options keep pgbouncer's own defaults: ``server_lifetime`` (seconds; pgbouncer
+    closes an unused server connection older than this, 3600 by default) and
+    ``server_round_robin`` (``False``: the most recently released server connection is
+    handed out next, LIFO; ``True``: the least recently released, FIFO).
+    """
+
+    def __init__(
+        self,
+        server: PgServer,
+        pool_mode: str,
+        *,
+        pool_size: int = 4,
+        server_lifetime: float | None = None,
+        server_round_robin: bool | None = None,
+        max_client_conn: int = 200,
+    ) -> None:
         self.binary = require_binary("pgbouncer", "pgbouncer")
         self.server = server
         self.pool_mode = pool_mode
+        optional = ""
+        if server_lifetime is not None:
+            optional += f"server_lifetime = {server_lifetime:g}\n"
+        if server_round_robin is not None:
+            optional += f"server_round_robin = {int(server_round_robin)}\n"
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix=f"pglock-bouncer-{pool_mode}-", dir="/tmp"))
         self.logfile = self.dir / "pgbouncer.log"
@@ -794,12 +814,12 @@ class PgBouncer:
             f"auth_file = {self.dir / 'userlist.txt'}\n"
             f"pool_mode = {pool_mode}\n"
             f"default_pool_size = {pool_size}\n"
-            "max_client_conn = 200\n"
+            f"max_client_conn = {max_client_conn}\n"
             f"logfile = {self.logfile}\n"
             f"pidfile = {self.dir / 'pgbouncer.pid'}\n"
             "admin_users = postgres\n"
             "ignore_startup_parameters = extra_float_digits,options\n"
-            "server_check_delay = 0\n"
+            "server_check_delay = 0\n" + optional
         )
         # pgbouncer refuses to run as root ("PgBouncer should not run as root"): as root it
         # runs as the server's own system user.
@@ -833,6 +853,17 @@ class PgBouncer:
 
     def url(self) -> str:
         return self.server.url(port=self.port)
+
+    def show(self, what: str) -> list[dict[str, object]]:
+        """``SHOW <what>`` on pgbouncer's admin console (``servers``, ``pools``…), as dicts."""
+        with psycopg.connect(
+            self.server.url("pgbouncer", port=self.port), autocommit=True, connect_timeout=5
+        ) as admin:
+            # The console speaks the simple query protocol only.
+            cur = psycopg.ClientCursor(admin)
+            cur.execute(f"SHOW {what}")
+            names = [column.name for column in cur.description or ()]
+            return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
 
     def log_text(self) -> str:
         return self.logfile.read_text() if self.logfile.exists() else ""

@@ -11,25 +11,33 @@ session state (advisory locks, prepared statements, SET) does not follow the cli
 
 * with ``DJANGO_PGLOCK = {"ADVISORY": False}`` the table path alone must exclude, and a
   crashed holder is taken over after ``stale_after`` (by the database clock);
-* with ``ADVISORY`` left on, the library must notice the pooler (different server
-  backends answering one session) and still exclude.
+* with ``ADVISORY`` left on, the library must notice the pooler and still exclude; a
+  client alone keeps getting the same server connection (PgBouncer reuses the one
+  released last), so the lock connection looks for the pooler when it opens
+  (``django_pglock.pooler``), before its first grant could take a key that PgBouncer
+  would free by retiring that server connection (``server_lifetime``).
 
 Session mode keeps one server connection per client: everything works, including the
-crash-fast takeover (``DISCARD ALL``, pgbouncer's reset query, drops advisory locks).
+crash-fast takeover (``DISCARD ALL``, pgbouncer's reset query, drops advisory locks), also
+when the next client is handed the dead holder's own server process.
 
 Without ``pgbouncer`` installed these tests skip, unless ``CI`` is set: then they fail.
 """
 
 from __future__ import annotations
 
+import queue
 import signal
 import subprocess
 import sys
 import time
 import uuid
 
+import psycopg
 import pytest
 
+from django_pglock import pooler
+from django_pglock.sql import advisory_key
 from tests import faultkit
 from tests.faultkit import (  # noqa: F401  (fixtures "log", "procs")
     SMALL,
@@ -42,6 +50,7 @@ from tests.faultkit import (  # noqa: F401  (fixtures "log", "procs")
     measure,
     procs_fixture,
     read_log,
+    wait_until,
     worker_env,
 )
 
@@ -72,6 +81,21 @@ def session_pool(server):
     bouncer = faultkit.PgBouncer(server, "session", pool_size=8)
     yield bouncer
     bouncer.close()
+
+
+@pytest.fixture
+def bouncers(server):
+    """Dedicated pgbouncers: ``bouncers(mode, **options)``; closed at teardown."""
+    started = []
+
+    def start(pool_mode, **options):
+        bouncer = faultkit.PgBouncer(server, pool_mode, **options)
+        started.append(bouncer)
+        return bouncer
+
+    yield start
+    for bouncer in started:
+        bouncer.close()
 
 
 @pytest.fixture
@@ -113,6 +137,72 @@ def contend(procs, env, name, log, workers=3, seconds=5, extra=()):
 
 def stderr_of(workers):
     return "".join(worker.stderr_text for worker in workers)
+
+
+def pooler_warnings(worker):
+    return [line for line in worker.stderr_text.splitlines() if POOLER_WARNING in line]
+
+
+def key_holders(db, name):
+    """Server processes holding the advisory key of ``name`` (any session, any client)."""
+    key = advisory_key(name) & 0xFFFF_FFFF_FFFF_FFFF  # pg_locks shows it as two oids
+    rows = db.execute(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+        " AND classid = %s::bigint::oid AND objid = %s::bigint::oid AND objsubid = 1",
+        [key >> 32, key & 0xFFFF_FFFF],
+    ).fetchall()
+    return sorted(pid for (pid,) in rows)
+
+
+def backend_alive(db, backend_pid):
+    query = "SELECT count(*) FROM pg_stat_activity WHERE pid = %s"
+    return db.execute(query, [backend_pid]).fetchone()[0] == 1
+
+
+def db_now(db):
+    return db.execute("SELECT clock_timestamp()").fetchone()[0]
+
+
+def acquire_attempted_since(db, since, backends=None):
+    """Server processes that started an acquire statement after ``since`` (DB clock)."""
+    rows = db.execute(
+        "SELECT pid FROM pg_stat_activity WHERE query LIKE '%%pg_try_advisory_lock%%'"
+        " AND query NOT LIKE '%%pg_stat_activity%%' AND query_start > %s",
+        [since],
+    ).fetchall()
+    return {pid for (pid,) in rows if backends is None or pid in backends}
+
+
+def grant_within(worker, seconds):
+    """The token of ``worker``'s next GRANTED line within ``seconds``, else ``None``."""
+    deadline = time.monotonic() + seconds
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            line = worker.lines.get(timeout=remaining)
+        except queue.Empty:
+            return None
+        if line is None:
+            worker.lines.put(None)
+            pytest.fail(f"worker exited early; stderr:\n{worker.stderr_text}")
+        worker.seen.append(line)
+        if line.startswith("GRANTED"):
+            return int(line.split()[1])
+    return None
+
+
+def warm(bouncer, servers):
+    """Make ``bouncer`` open ``servers`` server connections (left idle in its pool)."""
+    clients = [psycopg.connect(bouncer.url(), connect_timeout=10) for _ in range(servers)]
+    try:
+        for client in clients:  # each in a transaction: each holds a server of its own
+            client.execute("SELECT pg_backend_pid()")
+        pids = {client.execute("SELECT pg_backend_pid()").fetchone()[0] for client in clients}
+        assert len(pids) == servers, pids
+        for client in clients:
+            client.rollback()  # a server left in a transaction would be closed, not pooled
+    finally:
+        for client in clients:
+            client.close()
 
 
 # -- manage.py check ------------------------------------------------------------------------
@@ -326,6 +416,178 @@ def test_transaction_mode_advisory_key_on_a_recycled_server_connection(
     assert token > 0
 
 
+# -- finding the pooler: django_pglock.pooler on its own -------------------------------------
+
+SECRET = "s3cret-never-logged"
+
+
+@pytest.mark.parametrize(
+    ("where", "found"),
+    [
+        ("direct", None),
+        ("session", None),
+        ("transaction", pooler.SHARED),
+        ("transaction-round-robin", None),  # MOVED or SHARED, judged below
+        ("transaction-full", None),  # the probe cannot connect: no evidence, no harm
+    ],
+)
+def test_find_pooler(server, bouncers, caplog, where, found):
+    """What the lock connection's probe concludes, and that it never logs a password."""
+    if where == "direct":
+        url = server.url()
+    elif where == "transaction-round-robin":
+        bouncer = bouncers("transaction", pool_size=4, server_round_robin=True)
+        warm(bouncer, 4)
+        url = bouncer.url()
+    elif where == "transaction-full":  # room for the lock session only
+        url = bouncers("transaction", pool_size=2, max_client_conn=1).url()
+    else:
+        url = bouncers(where, pool_size=2).url()
+    params = {**psycopg.conninfo.conninfo_to_dict(url), "password": SECRET}  # trust ignores it
+    caplog.set_level("DEBUG", logger="django_pglock")
+    with psycopg.connect(autocommit=True, **params) as session:
+        backend_pid = session.execute("SELECT pg_backend_pid()").fetchone()[0]
+        started = time.monotonic()
+        evidence = pooler.find_pooler(session, params, backend_pid, "default")
+        took = time.monotonic() - started
+        assert session.execute("SELECT 1").fetchone() == (1,)  # the session is left usable
+    measure(f"pooler probe, {where}", took)
+    if where == "transaction-round-robin":
+        assert evidence in (pooler.MOVED, pooler.SHARED)
+    else:
+        assert evidence == found
+    if where == "transaction-full":
+        assert "could not connect" in caplog.text
+    assert SECRET not in caplog.text
+    assert all(record.levelname == "DEBUG" for record in caplog.records), caplog.text
+    assert took < pooler.CONNECT_TIMEOUT + pooler.ANSWER_TIMEOUT + 1
+
+
+def test_find_pooler_gives_up_on_a_full_session_pool(bouncers, caplog):
+    """The probe waits for a server connection that never comes: bounded, no evidence."""
+    bouncer = bouncers("session", pool_size=1)
+    caplog.set_level("DEBUG", logger="django_pglock")
+    with psycopg.connect(bouncer.url(), autocommit=True) as session:
+        backend_pid = session.execute("SELECT pg_backend_pid()").fetchone()[0]
+        params = psycopg.conninfo.conninfo_to_dict(bouncer.url())
+        started = time.monotonic()
+        assert pooler.find_pooler(session, params, backend_pid, "default") is None
+        took = time.monotonic() - started
+    measure("pooler probe, session pool of one", took)
+    assert pooler.ANSWER_TIMEOUT <= took < pooler.ANSWER_TIMEOUT + 1.5
+    assert "no server process within" in caplog.text
+    # The abandoned probe left nothing behind: the pool serves the next client.
+    with psycopg.connect(bouncer.url(), autocommit=True, connect_timeout=5) as other:
+        assert other.execute("SELECT 1").fetchone() == (1,)
+
+
+# -- transaction mode: the pooler found when the lock connection opens -----------------------
+
+# Thresholds of a holder that will not heartbeat during the test (stale_after far away).
+QUIET = ("--heartbeat-interval", "10", "--alert-after", "20", "--stale-after", "30")
+
+
+@pytest.mark.parametrize("round_robin", [False, True], ids=["lifo", "round-robin"])
+def test_transaction_mode_one_quiet_client_is_detected_when_its_connection_opens(
+    bouncers, db, procs, log, round_robin
+):
+    """One client alone behind a transaction pooler, ADVISORY left on (the default).
+
+    PgBouncer hands it the server connection it released last (LIFO), so its statements
+    all run on one server process and never show the pooler; the lock connection has to
+    find it when it opens: the holder's row is off the advisory path and the process said
+    so once. With ``server_round_robin = 1`` and four idle server connections too.
+    """
+    bouncer = bouncers("transaction", pool_size=4, server_round_robin=round_robin)
+    warm(bouncer, 4)
+    name = unique("tx-quiet")
+    holder = start_job(procs, worker_env(bouncer.url()), name, log)
+    granted(holder)
+    row = db.row(name)
+    assert row["advisory"] is False, "a quiet transaction pooler was not noticed"
+    assert holder.finish() == 0
+    warned = pooler_warnings(holder)
+    assert len(warned) == 1, holder.stderr_text
+    bad = [line for line in faultkit.alarming_stderr(holder.stderr_text) if line not in warned]
+    assert not bad, "\n".join(bad[:20])
+    assert db.row(name) is None
+
+
+def test_transaction_mode_first_grant_is_already_off_the_advisory_path(bouncers, db, procs, log):
+    """Detected *before* the first grant: that grant neither says advisory nor takes the key.
+
+    A trigger records each row as granted (insert, or a reclaim's new token), before any
+    later statement of the holder could switch the row off the advisory path.
+    """
+    bouncer = bouncers("transaction", pool_size=2)
+    name = unique("tx-first")
+    record = f"pglock_test_grants_{uuid.uuid4().hex[:8]}"
+    db.execute(f"CREATE TABLE {record} (name text, token bigint, advisory boolean)")
+    db.execute(
+        f"""CREATE FUNCTION {record}() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO {record} VALUES (NEW.name, NEW.token, NEW.advisory);
+            RETURN NULL;
+        END $$"""
+    )
+    db.execute(
+        f"CREATE TRIGGER {record} AFTER INSERT OR UPDATE OF token ON {faultkit.LOCK_TABLE}"
+        f" FOR EACH ROW WHEN (NEW.name = '{name}') EXECUTE FUNCTION {record}()"
+    )
+    try:
+        holder = start_job(procs, worker_env(bouncer.url()), name, log)
+        token = granted(holder)
+        seen = db.execute(f"SELECT token, advisory FROM {record}").fetchall()
+        holding_key = key_holders(db, name)
+        assert holder.finish() == 0
+    finally:
+        db.execute(f"DROP TRIGGER {record} ON {faultkit.LOCK_TABLE}")
+        db.execute(f"DROP FUNCTION {record}()")
+        db.execute(f"DROP TABLE {record}")
+    assert seen == [(token, False)], f"the first grant was written as {seen}"
+    assert holding_key == [], f"server processes {holding_key} hold the key behind the pooler"
+    assert len(pooler_warnings(holder)) == 1, holder.stderr_text
+
+
+def test_transaction_mode_retired_server_connection_lets_no_contender_in(bouncers, db, procs, log):
+    """The issue's reproduction: PgBouncer retires the holder's server connection.
+
+    Transaction mode, ADVISORY left on, one holder, ``server_lifetime = 1``: once the
+    server connection its grant ran on is closed, a key taken there would be free while the
+    holder runs on (it heartbeats every 10 s here). No contender may be granted while the
+    holder still holds, however long the test watches (its stale_after is 30 s).
+    """
+    bouncer = bouncers("transaction", pool_size=2, server_lifetime=1)
+    name = unique("tx-lifetime")
+    env = worker_env(bouncer.url())
+    holder = start_job(procs, env, name, log, *QUIET)
+    token = granted(holder)
+    row = db.row(name)
+    retired = wait_until(lambda: not backend_alive(db, row["backend_pid"]), 20)
+    assert retired, f"pgbouncer did not retire server process {row['backend_pid']}"
+    since = db_now(db)
+    contender = start_job(procs, env, name, log, *QUIET)
+    # The contender is refused (an acquire statement ran), then for 3 s more.
+    attempted = wait_until(lambda: acquire_attempted_since(db, since), 20)
+    stolen = grant_within(contender, 3.0)
+    print(
+        f"[measure] retired server connection: holder row advisory={row['advisory']}, "
+        f"contender attempted={bool(attempted)}, granted token={stolen}"
+    )
+    assert stolen is None, (
+        f"a contender was granted token {stolen} while holder {holder.pid} (token {token}) "
+        "still held: the key went with the retired server connection"
+    )
+    assert attempted, "the contender never tried"
+    assert db.row(name)["token"] == token
+    released_at = time.monotonic()
+    assert holder.finish() == 0
+    assert grant_within(contender, 15.0) is not None, contender.stderr_text
+    measure("retired server connection: hand-over after release", time.monotonic() - released_at)
+    assert contender.finish() == 0
+    assert_exclusive(grants(read_log(log)))
+
+
 # -- session mode -----------------------------------------------------------------------------
 
 
@@ -352,4 +614,84 @@ def test_session_mode_contention_and_crash_fast_takeover(session_pool, db, procs
     assert new_token > token
     assert takeover < poll + 1.0, f"crash-fast takeover took {takeover:.3f}s"
     contender.finish()
+    assert_exclusive(grants(read_log(log), ends={holder.pid: killed_wall}))
+
+
+def test_session_mode_stays_on_the_advisory_path(session_pool, db, procs, log):
+    """Session mode keeps one server connection per client: never taken for a pooler."""
+    name = unique("session-advisory")
+    holder = start_job(procs, worker_env(session_pool.url()), name, log)
+    granted(holder)
+    row = db.row(name)
+    assert row["advisory"] is True, holder.stderr_text
+    assert key_holders(db, name) == [row["backend_pid"]]
+    assert holder.finish() == 0
+    assert not faultkit.alarming_stderr(holder.stderr_text), holder.stderr_text
+
+
+def test_session_mode_with_a_full_pool_stays_on_the_advisory_path(bouncers, db, procs, log):
+    """A session pool of one server connection: a second client has to wait for it.
+
+    Whatever the lock connection does to look for a pooler must give up in bounded time
+    and conclude nothing: the holder is granted promptly, on the advisory path.
+    """
+    bouncer = bouncers("session", pool_size=1)
+    name = unique("session-full")
+    holder = start_job(procs, worker_env(bouncer.url()), name, log)
+    started = time.monotonic()
+    granted(holder, timeout=30)
+    measure("pgbouncer session, pool of one: READY to granted", time.monotonic() - started)
+    row = db.row(name)
+    assert row["advisory"] is True, holder.stderr_text
+    assert time.monotonic() - started < 10
+    assert holder.finish() == 0
+    assert not faultkit.alarming_stderr(holder.stderr_text), holder.stderr_text
+
+
+def test_session_mode_takeover_on_the_dead_holders_own_server_process(bouncers, db, procs, log):
+    """SIGKILLed holder; the next client is given the very server process it used.
+
+    PgBouncer's reset query (DISCARD ALL) released the holder's advisory key and hands
+    the server connection to the next client; with a pool of one it can only be that one,
+    so the contender's session has the row's ``backend_pid``. The holder is gone: the
+    contender must take over at once, not after ``stale_after`` (30 s here).
+    """
+    bouncer = bouncers("session", pool_size=1)
+    name = unique("session-same-backend")
+    env = worker_env(bouncer.url())
+    poll = 0.2
+    holder = start_job(procs, env, name, log, *QUIET, poll=poll)
+    token = granted(holder)
+    row = db.row(name)
+    assert row["advisory"] is True
+    holder.signal(signal.SIGKILL)
+    killed_at, killed_wall = time.monotonic(), time.time()
+
+    def released():  # the holder's server connection is back in the pool, reset
+        servers = {s["remote_pid"]: s for s in bouncer.show("servers")}
+        held = key_holders(db, name)
+        server = servers.get(row["backend_pid"])
+        return server is not None and server["state"] == "idle" and not held
+
+    assert wait_until(released, 20), f"server process {row['backend_pid']} was not released"
+    contender = start_job(procs, env, name, log, *QUIET, poll=poll)
+    ready_at = time.monotonic()
+    new_token = grant_within(contender, 10.0)
+    takeover = time.monotonic() - ready_at
+    print(
+        f"[measure] session, same server process: granted {new_token} {takeover:.3f}s after "
+        f"the contender started ({time.monotonic() - killed_at:.3f}s after the SIGKILL)"
+    )
+    assert new_token is not None, (
+        f"the contender on the dead holder's own server process {row['backend_pid']} was "
+        "not granted within 10 s (it waits for stale_after, 30 s)"
+    )
+    taken = db.row(name)
+    assert (taken["token"], taken["backend_pid"]) == (new_token, row["backend_pid"]), (
+        "precondition: the contender was not given the dead holder's server process"
+    )
+    measure("pgbouncer session, same server process: contender started to granted", takeover)
+    assert takeover < poll + 3.0, f"the takeover took {takeover:.3f}s (stale_after is 30 s)"
+    assert new_token > token
+    assert contender.finish() == 0
     assert_exclusive(grants(read_log(log), ends={holder.pid: killed_wall}))
