@@ -119,6 +119,7 @@ class LockConnection:
         self._direct = _fetch_results is not None
         self._tx: abc.Transformer | None = None
         self._prepared: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
+        self._preparing: tuple[bytes, tuple[int, ...], bytes] | None = None
         self._encoding = "utf-8"
 
     def __repr__(self) -> str:  # never shows connection parameters
@@ -269,6 +270,7 @@ class LockConnection:
         if conn is None or conn.closed or self._tx is None:
             return [], None
         pgconn = conn.pgconn
+        preparing, self._preparing = self._preparing, None
         if pgconn.transaction_status != pq.TransactionStatus.ACTIVE:
             return [], None
         rows: list[tuple[Any, ...]] = []
@@ -280,6 +282,11 @@ class LockConnection:
                 if _fetch_results is None or time.monotonic() > deadline:
                     raise TimeoutError("the interrupted statement did not end")
                 results = conn.wait(_fetch_results(pgconn), interval=0.1)
+                if preparing is not None and results:
+                    # The statement was being prepared: remember it only if that worked.
+                    if results[0].status == pq.ExecStatus.COMMAND_OK:
+                        self._prepared[preparing[:2]] = preparing[2]
+                    preparing = None
                 for result in results:
                     if result.status == pq.ExecStatus.TUPLES_OK:
                         self._tx.set_pgresult(result)
@@ -300,6 +307,7 @@ class LockConnection:
         conn = self._conn
         tx = self._tx
         assert conn is not None and tx is not None
+        self._preparing = None
         if not self._direct or _fetch_results is None:
             cursor = self._cursor
             assert cursor is not None
@@ -317,8 +325,12 @@ class LockConnection:
                 name = self._prepared.get((statement, types))
                 if name is None:
                     name = _statement_name(statement, types)
+                    # Remembered while in flight: an interruption now is settled by
+                    # _abort_in_flight from the prepare's own result.
+                    self._preparing = (statement, types, name)
                     pgconn.send_prepare(name, statement, param_types=types)
                     self._check(conn.wait(_fetch_results(pgconn)))
+                    self._preparing = None
                     self._prepared[(statement, types)] = name
                 pgconn.send_query_prepared(name, buffers, param_formats=formats)
             else:

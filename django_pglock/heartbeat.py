@@ -33,6 +33,9 @@ __all__ = ["beat", "registry"]
 
 logger = logging.getLogger("django_pglock")
 
+#: How long a release at interpreter exit waits for a busy lock connection at most.
+EXIT_WAIT = 1.0
+
 #: How soon a failed heartbeat or a release waiting for a guarded transaction is retried.
 RETRY_INTERVAL = 0.1
 
@@ -294,7 +297,7 @@ def release_all_at_exit() -> None:
         return
     for lease in held.leases():
         with contextlib.suppress(Exception):
-            lease.release()
+            lease._release(EXIT_WAIT)  # a stuck connection must not keep the process
     held.closing = True  # servers stopping at exit are no news
 
 

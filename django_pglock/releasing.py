@@ -82,12 +82,17 @@ class ReleaseMixin:
         settles and this raises :class:`LockError` saying so; a release waiting for a
         guarded transaction to end is finished the same way, without an error.
         """
+        self._release()
+
+    def _release(self, limit: float | None = None) -> None:
+        """:meth:`release`, waiting at most ``limit`` s for a busy lock connection."""
         if os.getpid() != self._pid or not self._advance(State.RELEASING):
             return
         # A lost lease waits briefly for a busy lock connection (its heartbeat may be stuck
         # on an unresponsive server); a held one waits at most until its own deadline.
         held_wait = max(0.0, self._deadline - time.monotonic())
         wait = LOST_WAIT if self._lost_reason else held_wait
+        wait = wait if limit is None else min(wait, limit)
         try:
             settled = self._finish_release(wait)
         except LockError as exc:
