@@ -109,6 +109,7 @@ class _Guardian:
         # moves it on. It kills the job even if locked_run hangs or is stopped.
         self.expire_at = math.inf
         self.cleaning = False  # the leader is gone: its leftovers are being stopped
+        self._partial = b""  # the start of an order whose end has not been read yet
         self._wake_r, wake_w = os.pipe()
         for fd in (self._wake_r, wake_w):
             os.set_blocking(fd, False)
@@ -180,8 +181,9 @@ class _Guardian:
             self.orders = None
             self.kill_at = now
             return
-        for line in data.decode("ascii", "replace").splitlines():
-            order = line.split()
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        for line in lines:
+            order = line.decode("ascii", "replace").split()
             if order[:1] == ["kill"]:
                 self.kill_at = now
             elif order[:1] == ["expire"] and len(order) == 2:

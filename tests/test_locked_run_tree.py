@@ -146,6 +146,17 @@ def process_state(pid):
         return None
 
 
+def children_of(pid):
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                fields = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    found.append((int(entry.name), (entry / "cmdline").read_bytes()))
+    return found
+
+
 @contextlib.contextmanager
 def stopped_backend(db, pid):
     """SIGSTOP the server process ``pid`` while it is idle (holding no row lock); SIGCONT after.
@@ -214,6 +225,54 @@ def test_sigkill_of_locked_run_kills_the_whole_job_before_a_waiter_starts(
     took = found["time"] - killed_at
     print(f"\n[measure] SIGKILL of locked_run -> waiter's job started: {took:.3f}s")
     assert took < 5, f"the waiter started {took:.1f}s after the holder was killed"
+
+
+def advisory_locks_of(db, backend):
+    (count,) = db.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND pid = %s",
+        [backend],
+    ).fetchone()
+    return count
+
+
+def test_the_lock_session_outlives_a_killed_locked_run_until_its_job_is_gone(
+    procs, tmp_path, db, watch
+):
+    """The guardian holds the lock connection's socket: with the guardian stopped, the
+    SIGKILLed locked_run's server session (and its advisory key) stays up, and the waiter
+    does not start; once the guardian runs again, it kills the job, exits, and only then
+    the waiter starts."""
+    name = unique("hold")
+    pids, probe = tmp_path / "pids", tmp_path / "probe.json"
+    first = locked_run(procs, name, "tree", "--pids", pids)
+    wait_for_file(pids, procs=[first])
+    tree = read_pids(pids)
+    token, backend = row_of(db, name)
+    assert advisory_locks_of(db, backend) == 1
+    (guardian,) = [pid for pid, cmdline in children_of(first.pid) if b"guardian.py" in cmdline]
+    seen = watch(name, pids)
+    second = locked_run(procs, name, "probe", "--pids", pids, "--out", probe, options=WAITER)
+    wait_until(lambda: lock_sessions(db) - {backend}, 15, "the second locked_run never connected")
+    os.kill(guardian, signal.SIGSTOP)
+    try:
+        first.kill()
+        first.wait(10)  # locked_run is gone (its pipes stay open in the job)
+        # For a while (ten of the waiter's polls), the dead holder's session lives on.
+        until = time.monotonic() + 0.5
+        while time.monotonic() < until:
+            assert advisory_locks_of(db, backend) == 1, "the lock session ended with locked_run"
+            assert not probe.exists(), "the waiter started while the job ran"
+            time.sleep(0.02)
+        assert not all_dead(tree)
+    finally:
+        os.kill(guardian, signal.SIGCONT)
+    result = procs.finish(second, timeout=30)
+    assert result.returncode == 0, result.stderr
+    found = json.loads(probe.read_text())
+    seen.stop()
+    assert found["alive"] == []
+    assert all_dead(tree)
+    assert seen.overlaps(token) == []
 
 
 def test_sigterm_reaches_the_group_and_sigkill_follows_after_the_kill_grace(
@@ -380,17 +439,6 @@ def test_exits_75_promptly_while_the_lock_connection_is_stuck(procs, tmp_path, d
     assert still_stopped  # it exited while its lock connection was still stuck
     assert all_dead(tree)
     assert took < 6, f"locked_run took {took:.1f}s to exit after losing its lease"
-
-
-def children_of(pid):
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError):
-                fields = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()
-                if int(fields[1]) == pid:
-                    found.append((int(entry.name), (entry / "cmdline").read_bytes()))
-    return found
 
 
 def test_if_the_guardian_dies_locked_run_kills_the_group_itself(procs, tmp_path, db, watch):

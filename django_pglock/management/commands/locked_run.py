@@ -88,7 +88,9 @@ class Command(BaseCommand):
             "--kill-grace",
             type=_seconds,
             default=10.0,
-            help="Seconds between SIGTERM and SIGKILL when terminating the child.",
+            help="Seconds between SIGTERM and SIGKILL when stopping the job's process group "
+            "(cut short on lease loss, so that the job is dead before another instance "
+            "may take the lock).",
         )
         parser.add_argument("--database", default=None, help="Database alias for the lock.")
         parser.add_argument(
