@@ -247,6 +247,15 @@ class LockConnection:
             if ended is not None:
                 _tell_session_ended(self, ended)
 
+    def ensure_open(self) -> None:
+        """Open the session now if it is not open (so that a pooler is looked for, and
+        found, before the caller decides whether to take an advisory key)."""
+        if self._conn is not None and not self._conn.closed and self._cursor is not None:
+            return
+        with self.lock:
+            if self._conn is None or self._conn.closed or self._cursor is None:
+                self._conn = self._connect()
+
     def _run_or_retry(self, statement: bytes, values: list[Any]) -> list[tuple[Any, ...]]:
         try:
             return self._run(statement, values)

@@ -310,6 +310,8 @@ class Lock:
         """
         resolved = self._resolved()
         conn = get_connection(resolved.alias)
+        if resolved.advisory:
+            conn.ensure_open()  # a pooler is looked for when the session opens
         use_advisory = resolved.advisory and not conn.pooled
         params = self._params(resolved, conn, use_advisory)
         sent = time.monotonic()
