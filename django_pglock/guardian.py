@@ -270,7 +270,7 @@ class GuardedJob:
         self.exit_code: int | None = None  # as Popen.returncode: -N for signal N
         self.gone = False  # no process of the job's group runs any more
         self.guardian_failed = False  # the guardian died before the group was gone
-        self.expired = False  # the dead man's switch killed the job (see expire_at())
+        self.expired = False  # the dead man's switch killed the leader (see expire_at())
         self._buffer = b""
         orders_r, self._orders = os.pipe()
         self._reports, reports_w = os.pipe()
@@ -336,8 +336,8 @@ class GuardedJob:
                 self.exit_code = int(value)
             elif kind == "gone":
                 self.gone = True
-            elif kind == "expired":
-                self.expired = True
+            elif kind == "expired":  # reports come in order: did it cut the leader short?
+                self.expired = self.exit_code is None
         return True
 
     def forward(self, signum: int, kill_after: float | None) -> None:
