@@ -71,9 +71,10 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
     ordered = ("HEARTBEAT_INTERVAL", "ALERT_AFTER", "STALE_AFTER")
     if not set(ordered) & set(bad_seconds):
         # The same rules, and messages, as Lock(...) applies at acquire time.
+        hb, alert, stale = (values[key] for key in ordered)
         labels = (setting_label(ordered[0]), setting_label(ordered[1]), setting_label(ordered[2]))
         try:
-            validate_thresholds(*(values[key] for key in ordered), labels=labels)
+            validate_thresholds(hb, alert, stale, labels)
         except ThresholdsOutOfOrder as exc:
             errors.append(Error(f"{exc.problem}.", hint=_capital(exc.fix), id="django_pglock.E004"))
         except ThresholdsTooTight as exc:
