@@ -203,11 +203,12 @@ def test_sigkill_of_locked_run_kills_the_whole_job_before_a_waiter_starts(
     wait_for_file(pids, procs=[first])
     tree = read_pids(pids)
     assert len(tree) == 4 and not all_dead(tree)
-    token, backend = row_of(db, name)
+    token, _ = row_of(db, name)
     seen = watch(name, pids)
 
+    before = lock_sessions(db)
     second = locked_run(procs, name, "probe", "--pids", pids, "--out", probe, options=WAITER)
-    wait_until(lambda: lock_sessions(db) - {backend}, 15, "the second locked_run never connected")
+    wait_until(lambda: lock_sessions(db) - before, 15, "the second locked_run never connected")
     killed_at = time.time()
     first.send_signal(signal.SIGKILL)
     result = procs.finish(second, timeout=30)
@@ -251,8 +252,9 @@ def test_the_lock_session_outlives_a_killed_locked_run_until_its_job_is_gone(
     assert advisory_locks_of(db, backend) == 1
     (guardian,) = [pid for pid, cmdline in children_of(first.pid) if b"guardian.py" in cmdline]
     seen = watch(name, pids)
+    before = lock_sessions(db)
     second = locked_run(procs, name, "probe", "--pids", pids, "--out", probe, options=WAITER)
-    wait_until(lambda: lock_sessions(db) - {backend}, 15, "the second locked_run never connected")
+    wait_until(lambda: lock_sessions(db) - before, 15, "the second locked_run never connected")
     os.kill(guardian, signal.SIGSTOP)
     try:
         first.kill()
