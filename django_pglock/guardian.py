@@ -1,8 +1,9 @@
 """``locked_run``'s process tree: the job's process group, its parent's death, the kill grace.
 
-``locked_run`` does not start its job itself: it starts a small guardian process
-(this file, run by path with ``python -I``: standard library only, no Django, a few
-milliseconds to start) that
+``locked_run`` does not start its job itself: it starts (through
+:class:`~django_pglock.supervisor.GuardedJob`) a small guardian process (this file, run
+by path with ``python -I``: standard library only, no Django, a few milliseconds to
+start) that
 
 * makes itself a child subreaper (Linux), so that members of the job orphaned by their
   parent are re-parented to it and reaped by it;
@@ -40,7 +41,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-__all__ = ["GuardedJob", "JobNotStarted", "group_alive"]
+__all__ = ["POLL", "group_alive", "main", "signal_group"]
 
 PR_SET_CHILD_SUBREAPER = 36
 ORDERS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # never for the guardian itself
@@ -76,7 +77,7 @@ def group_alive(pgid: int) -> bool:
     return members == 0  # only zombies: gone; none visible in /proc: trust kill()
 
 
-def _signal_group(pgid: int, signum: int) -> None:
+def signal_group(pgid: int, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signum)
 
@@ -151,7 +152,7 @@ class _Guardian:
                 self.report("expired")
                 self.kill_at = now
             if now >= self.kill_at:
-                _signal_group(self.pgid, signal.SIGKILL)  # again, for any late fork
+                signal_group(self.pgid, signal.SIGKILL)  # again, for any late fork
             if self.cleaning and not group_alive(self.pgid):
                 self.report("gone")
                 return 0
@@ -194,9 +195,9 @@ class _Guardian:
     def _order_signal(self, signum: int, kill_after: float, now: float) -> None:
         """Send ``signum`` to the group, and SIGKILL ``kill_after`` seconds later at most."""
         if now < self.kill_at:  # not being killed already
-            _signal_group(self.pgid, signum)
+            signal_group(self.pgid, signum)
             if signum == signal.SIGTERM:
-                _signal_group(self.pgid, signal.SIGCONT)  # a stopped member must hear it
+                signal_group(self.pgid, signal.SIGCONT)  # a stopped member must hear it
         if kill_after >= 0:
             self.kill_at = min(self.kill_at, now + kill_after)
 
@@ -235,147 +236,11 @@ def main(argv: Sequence[str]) -> int:
     try:
         return guardian.run()
     except BaseException:
-        _signal_group(guardian.pgid, signal.SIGKILL)  # never leave the job unguarded
+        signal_group(guardian.pgid, signal.SIGKILL)  # never leave the job unguarded
         while group_alive(guardian.pgid):
             guardian._reap()
             time.sleep(POLL)
         raise
-
-
-# -- locked_run's end ------------------------------------------------------------------------
-
-
-class JobNotStarted(OSError):
-    """The guardian could not start the job (``errno`` and ``strerror`` say why)."""
-
-
-class GuardedJob:
-    """The job of ``locked_run``, run by a guardian process.
-
-    ``hold_fd`` (the lock connection's socket) is passed to the guardian, which keeps it
-    open until the job's process group is gone. ``ignored`` are the forwarded signals
-    that were ignored where ``locked_run`` started; they stay ignored for the job.
-    """
-
-    def __init__(
-        self,
-        argv: Sequence[str],
-        env: dict[str, str],
-        *,
-        grace: float,
-        hold_fd: int | None = None,
-        ignored: Sequence[int] = (),
-    ) -> None:
-        self.pid: int | None = None  # the job's leader, and its process group id
-        self.exit_code: int | None = None  # as Popen.returncode: -N for signal N
-        self.gone = False  # no process of the job's group runs any more
-        self.guardian_failed = False  # the guardian died before the group was gone
-        self.expired = False  # the dead man's switch killed the leader (see expire_at())
-        self._buffer = b""
-        orders_r, self._orders = os.pipe()
-        self._reports, reports_w = os.pipe()
-        hold = -1 if hold_fd is None else hold_fd
-        command = [
-            sys.executable,
-            "-I",  # no PYTHON* variables, no script or user directories on sys.path
-            os.path.abspath(__file__),
-            str(orders_r),
-            str(reports_w),
-            str(hold),
-            repr(grace),
-            ",".join(str(int(signum)) for signum in ignored),
-            "--",
-            *argv,
-        ]
-        passed = [orders_r, reports_w] + ([hold] if hold >= 0 else [])
-        try:
-            self.process = subprocess.Popen(
-                command, env=env, pass_fds=passed, start_new_session=True
-            )
-        except BaseException:
-            os.close(self._orders)
-            os.close(self._reports)
-            raise
-        finally:
-            os.close(orders_r)
-            os.close(reports_w)
-        while self.pid is None:
-            if not self.poll(None):
-                break
-        if self.pid is None:
-            self.wait_gone()
-            errno_ = self._failed_errno or 0
-            raise JobNotStarted(errno_, os.strerror(errno_) if errno_ else "the guardian failed")
-
-    _failed_errno: int | None = None
-
-    def fileno(self) -> int:
-        """The report pipe, for ``select``."""
-        return self._reports
-
-    def poll(self, timeout: float | None = 0.0) -> bool:
-        """Read the reports available within ``timeout``; ``False`` at their end."""
-        if self._reports < 0:
-            return False
-        if not select.select([self._reports], [], [], timeout)[0]:
-            return True
-        data = os.read(self._reports, 4096)
-        if not data:
-            os.close(self._reports)
-            self._reports = -1
-            return False
-        self._buffer += data
-        *lines, self._buffer = self._buffer.split(b"\n")
-        for line in lines:
-            kind, _, value = line.decode("ascii", "replace").partition(" ")
-            if kind == "started":
-                self.pid = int(value)
-            elif kind == "failed":
-                self._failed_errno = int(value)
-            elif kind == "exited":
-                self.exit_code = int(value)
-            elif kind == "gone":
-                self.gone = True
-            elif kind == "expired":  # reports come in order: did it cut the leader short?
-                self.expired = self.exit_code is None
-        return True
-
-    def forward(self, signum: int, kill_after: float | None) -> None:
-        """Send ``signum`` to the job's group; SIGKILL it ``kill_after`` s later at most."""
-        later = -1.0 if kill_after is None else max(0.0, kill_after)
-        self._order(f"signal {int(signum)} {later!r}")
-
-    def kill(self) -> None:
-        """SIGKILL the job's group now."""
-        self._order("kill")
-
-    def expire_at(self, instant: float) -> None:
-        """SIGKILL the job's group at ``instant`` (``time.monotonic()``) unless moved on."""
-        self._order(f"expire {instant!r}")
-
-    def _order(self, line: str) -> None:
-        if self._orders < 0:
-            return  # the job is gone
-        with contextlib.suppress(OSError):  # the guardian is gone: wait_gone() takes over
-            os.write(self._orders, line.encode() + b"\n")
-
-    def wait_gone(self) -> None:
-        """Wait until the job's group is gone and the guardian has exited.
-
-        If the guardian died first, its orphaned job is SIGKILLed here and waited for.
-        """
-        while self.poll(None):
-            pass
-        self.process.wait()
-        if self._orders >= 0:
-            os.close(self._orders)
-            self._orders = -1
-        if not self.gone and self.pid is not None:
-            self.guardian_failed = True
-            while group_alive(self.pid):
-                _signal_group(self.pid, signal.SIGKILL)
-                time.sleep(POLL)
-            self.gone = True
 
 
 if __name__ == "__main__":

@@ -132,11 +132,11 @@ class Lease(KeyMixin, ReleaseMixin):
         with self._state_lock:
             if to not in TRANSITIONS[self.state]:
                 return False
+            if to is State.LOST:  # before the reason: whoever sees a loss sees when
+                self.kill_deadline = self._contender_may_start(reason)
             self.state = to
             if reason is not None and self._lost_reason is None:
                 self._lost_reason = reason
-            if to is State.LOST:
-                self.kill_deadline = self._contender_may_start(reason)
         if _owned.get((self.using, self.name)) is self:
             _owned.pop((self.using, self.name), None)  # no thread holds it any longer
         return True
@@ -298,7 +298,18 @@ class Lease(KeyMixin, ReleaseMixin):
         now = time.monotonic()
         if reason in (_ROW_GONE, _SESSION_ENDED):
             return now
-        return max(now, self._confirmed_at + self.stale_after - self._margin / 2)
+        return max(now, self._held_until())
+
+    def _held_until(self) -> float:
+        """When work under the lease must have stopped if no later heartbeat is confirmed
+        (``time.monotonic()``): the last confirmed heartbeat plus ``stale_after``, less
+        half the safety margin. ``locked_run``'s guardian kills the job then."""
+        return self._confirmed_at + self.stale_after - self._margin / 2
+
+    def _session_fileno(self) -> int | None:
+        """The socket of the session this lease was granted on, while it is the current
+        one (``locked_run``'s guardian holds a duplicate to keep that session alive)."""
+        return None if self._session_ended() else self._conn.fileno()
 
     def _mark_lost(self, reason: str, *, row_gone: bool = False) -> None:
         if row_gone:

@@ -25,10 +25,10 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_pglock.conf import get_setting
 from django_pglock.exceptions import LockNotHeld
-from django_pglock.guardian import GuardedJob, JobNotStarted
 from django_pglock.identity import redact
 from django_pglock.lock import Lease, Lock
 from django_pglock.schedule import ScheduleSlot
+from django_pglock.supervisor import GuardedJob, JobNotStarted
 
 EXIT_USAGE = 2
 EXIT_LOST = 75  # EX_TEMPFAIL: the lease was lost and the child was terminated
@@ -265,8 +265,8 @@ class Command(BaseCommand):
                     self.stderr.write(
                         f"Lock {lease.name!r} was lost; the command goes on (--on-lost continue)."
                     )
-            elif not handled and terminate and _held_until(lease) != expires:
-                expires = _held_until(lease)
+            elif not handled and terminate and lease._held_until() != expires:
+                expires = lease._held_until()
                 job.expire_at(expires)
             select.select([job.fileno(), wakeup.fileno()], [], [], 0.25)
             wakeup.drain()
@@ -283,12 +283,7 @@ class Command(BaseCommand):
         if job.exit_code is None:
             self.stderr.write(f"Lock {lease.name!r} was lost; terminating the command.")
             self.terminated = True
-        deadline = lease.kill_deadline
-        for _ in range(100):  # set together with the loss, by whichever thread saw it
-            if deadline is not None:
-                break
-            time.sleep(0.001)
-            deadline = lease.kill_deadline
+        deadline = lease.kill_deadline  # set before the loss shows
         now = time.monotonic()
         if deadline is None:
             deadline = now  # not known: assume the worst
@@ -338,18 +333,9 @@ class _Wakeup:
             self._read = self._write = -1
 
 
-def _held_until(lease: Lease) -> float:
-    """When the job must be dead if no later heartbeat is confirmed (``time.monotonic()``).
-
-    The lease's kill deadline for a loss by its local deadline: the last confirmed
-    heartbeat plus ``stale_after``, less half the safety margin.
-    """
-    return float(lease._confirmed_at + lease.stale_after - lease._margin / 2)
-
-
 def _lock_socket(lease: Lease) -> int | None:
     """A duplicate of the lease's connection socket, for the guardian to hold (or None)."""
-    fd = lease._conn.fileno()
+    fd = lease._session_fileno()
     if fd is None:
         return None
     try:
