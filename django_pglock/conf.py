@@ -9,6 +9,7 @@ from typing import Any
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.core.signals import setting_changed
+from django.db import connections
 
 __all__ = [
     "DEFAULTS",
@@ -18,6 +19,7 @@ __all__ = [
     "ThresholdsTooTight",
     "generation",
     "get_setting",
+    "validate_alias",
     "validate_thresholds",
 ]
 
@@ -172,3 +174,20 @@ def validate_thresholds(
             f"{labels[0]}={stale / MIN_STALE_HEARTBEATS!r} or less.",
         )
     return Thresholds(hb, alert, stale)
+
+
+def validate_alias(alias: object) -> str:
+    """Return ``alias`` if it names a PostgreSQL database, else raise ``ImproperlyConfigured``."""
+    if not isinstance(alias, str) or alias not in connections.settings:
+        known = ", ".join(repr(a) for a in connections.settings) or "none"
+        raise ImproperlyConfigured(
+            f"Database alias {alias!r} is not in settings.DATABASES (known aliases: {known}); "
+            "pass using= one of them or set DJANGO_PGLOCK['DATABASE']."
+        )
+    vendor = connections[alias].vendor
+    if vendor != "postgresql":
+        raise ImproperlyConfigured(
+            f"Database alias {alias!r} uses the {vendor!r} backend; django_pglock needs "
+            "PostgreSQL: point using= at an alias with ENGINE 'django.db.backends.postgresql'."
+        )
+    return alias

@@ -9,30 +9,22 @@ child never uses its parent's connection: the registry is keyed by process id.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
-import re
 import select
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
-from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
-from psycopg import abc, pq
-from psycopg.adapt import PyFormat, Transformer
-
-try:  # psycopg's own (C-accelerated) protocol step, which its cursors use as well
-    from psycopg.generators import execute as _fetch_results
-except ImportError:  # pragma: no cover - a psycopg without it: the cursor path below
-    _fetch_results = None
+from psycopg import abc
+from psycopg.adapt import Transformer
 
 from . import sql
-from .conf import get_setting
-from .exceptions import LockError
+from .conf import get_setting, validate_alias
+from .exceptions import ConnectionBusy, LockError, SessionEnded
+from .protocol import Protocol, converted
 
 __all__ = ["ConnectionBusy", "LockConnection", "SessionEnded", "get_connection", "validate_alias"]
 
@@ -54,18 +46,6 @@ _KEEPALIVES = {
 _NOT_LIBPQ = ("cursor_factory", "context", "prepare_threshold", "row_factory", "autocommit")
 
 
-class SessionEnded(LockError):
-    """The session a statement had to run on (the one holding a lease's key) has ended."""
-
-
-class ConnectionBusy(LockError):
-    """The lock connection stayed busy with another thread's statement for too long."""
-
-
-#: How long an interrupted statement may take to be cancelled and drained before the
-#: session is given up instead.
-DRAIN_TIMEOUT = 5.0
-
 #: Called with (connection, generation) when a session ends: its advisory keys are gone.
 SessionListener = Callable[["LockConnection", int], None]
 _session_listeners: list[SessionListener] = []
@@ -77,24 +57,7 @@ def on_session_end(listener: SessionListener) -> None:
         _session_listeners.append(listener)
 
 
-def validate_alias(alias: object) -> str:
-    """Return ``alias`` if it names a PostgreSQL database, else raise ``ImproperlyConfigured``."""
-    if not isinstance(alias, str) or alias not in connections.settings:
-        known = ", ".join(repr(a) for a in connections.settings) or "none"
-        raise ImproperlyConfigured(
-            f"Database alias {alias!r} is not in settings.DATABASES (known aliases: {known}); "
-            "pass using= one of them or set DJANGO_PGLOCK['DATABASE']."
-        )
-    vendor = connections[alias].vendor
-    if vendor != "postgresql":
-        raise ImproperlyConfigured(
-            f"Database alias {alias!r} uses the {vendor!r} backend; django_pglock needs "
-            "PostgreSQL: point using= at an alias with ENGINE 'django.db.backends.postgresql'."
-        )
-    return alias
-
-
-class LockConnection:
+class LockConnection(Protocol):
     """An autocommit psycopg connection shared by every lock of this process on one alias.
 
     Calls are serialised by a lock. A broken connection is closed and reopened on the next
@@ -116,7 +79,7 @@ class LockConnection:
         self._prepare = True
         # The direct path: one transformer per session, and the statements prepared on
         # it (by text and parameter types, as psycopg keys its own).
-        self._direct = _fetch_results is not None
+        self._direct = Protocol.direct_available
         self._tx: abc.Transformer | None = None
         self._prepared: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
         self._preparing: tuple[bytes, tuple[int, ...], bytes] | None = None
@@ -202,10 +165,7 @@ class LockConnection:
         propagates, so the connection stays usable; ``on_interrupted`` then gets the rows
         the statement returned anyway, if it completed.
         """
-        converted = _converted.get(query)
-        if converted is None:
-            converted = _converted[query] = _positional(query)
-        statement, names = converted
+        statement, names = converted(query)
         values = [params[name] for name in names]
         if not self.lock.acquire(timeout=-1 if wait is None else wait):
             raise ConnectionBusy(
@@ -270,94 +230,6 @@ class LockConnection:
             self._prepare = False
             self._found_pooler("its prepared statements came and went")
             return self._run(statement, values)
-
-    def _abort_in_flight(self) -> tuple[list[tuple[Any, ...]], int | None]:
-        """After an exception that left a statement in flight: cancel it and read what
-        it returned, so the next statement finds the session idle. A session that cannot
-        be drained in time is closed instead (returns its generation as ended)."""
-        conn = self._conn
-        if conn is None or conn.closed or self._tx is None:
-            return [], None
-        pgconn = conn.pgconn
-        preparing, self._preparing = self._preparing, None
-        if pgconn.transaction_status != pq.TransactionStatus.ACTIVE:
-            return [], None
-        rows: list[tuple[Any, ...]] = []
-        try:
-            with contextlib.suppress(psycopg.Error):
-                conn.cancel_safe(timeout=DRAIN_TIMEOUT)
-            deadline = time.monotonic() + DRAIN_TIMEOUT
-            while pgconn.transaction_status == pq.TransactionStatus.ACTIVE:
-                if _fetch_results is None or time.monotonic() > deadline:
-                    raise TimeoutError("the interrupted statement did not end")
-                results = conn.wait(_fetch_results(pgconn), interval=0.1)
-                if preparing is not None and results:
-                    # The statement was being prepared: remember it only if that worked.
-                    if results[0].status == pq.ExecStatus.COMMAND_OK:
-                        self._prepared[preparing[:2]] = preparing[2]
-                    preparing = None
-                for result in results:
-                    if result.status == pq.ExecStatus.TUPLES_OK:
-                        self._tx.set_pgresult(result)
-                        rows = self._tx.load_rows(0, result.ntuples, tuple)
-            return rows, None
-        except BaseException:
-            return [], self._discard()
-
-    def _run(self, statement: bytes, values: list[Any]) -> list[tuple[Any, ...]]:
-        """Send one statement on the open session and return its rows (caller holds the lock).
-
-        The direct path speaks to libpq through psycopg's own protocol step and type
-        adapters, as a cursor does, minus the cursor's bookkeeping: that bookkeeping was
-        half of the client's time per attempt, more on a busy machine. Waiting goes
-        through ``Connection.wait``, so an interrupt cancels the statement as it would
-        in a cursor. Without the direct path (an unexpected psycopg), the cursor runs it.
-        """
-        conn = self._conn
-        tx = self._tx
-        assert conn is not None and tx is not None
-        self._preparing = None
-        if not self._direct or _fetch_results is None:
-            cursor = self._cursor
-            assert cursor is not None
-            cursor.execute(statement, values, prepare=self._prepare)
-            result = cursor.pgresult
-            if result is None or result.status != pq.ExecStatus.TUPLES_OK:
-                return []
-            return cursor.fetchall()
-        with conn.lock:
-            buffers = tx.dump_sequence(values, _formats(len(values)))
-            types = tx.types or ()
-            formats = tx.formats
-            pgconn = conn.pgconn
-            if self._prepare:
-                name = self._prepared.get((statement, types))
-                if name is None:
-                    name = _statement_name(statement, types)
-                    # Remembered while in flight: an interruption now is settled by
-                    # _abort_in_flight from the prepare's own result.
-                    self._preparing = (statement, types, name)
-                    pgconn.send_prepare(name, statement, param_types=types)
-                    self._check(conn.wait(_fetch_results(pgconn)))
-                    self._preparing = None
-                    self._prepared[(statement, types)] = name
-                pgconn.send_query_prepared(name, buffers, param_formats=formats)
-            else:
-                pgconn.send_query_params(
-                    statement, buffers, param_types=types, param_formats=formats
-                )
-            result = self._check(conn.wait(_fetch_results(pgconn)))
-            if result.status != pq.ExecStatus.TUPLES_OK:
-                return []
-            tx.set_pgresult(result)
-            return tx.load_rows(0, result.ntuples, tuple)
-
-    def _check(self, results: list[pq.abc.PGresult]) -> pq.abc.PGresult:
-        """The last result of one statement; an error result raised as psycopg would."""
-        for result in results:
-            if result.status == pq.ExecStatus.FATAL_ERROR:
-                raise psycopg.errors.error_from_result(result, encoding=self._encoding)
-        return results[-1]
 
     def note_backend_pid(self, backend_pid: int) -> bool:
         """Compare the server process that ran a statement with this session's.
@@ -437,50 +309,6 @@ class LockConnection:
             ended = self._discard()
         if ended is not None:
             _tell_session_ended(self, ended)
-
-
-_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
-
-_FORMATS: dict[int, list[PyFormat]] = {}
-
-
-def _formats(count: int) -> list[PyFormat]:
-    """Let psycopg pick each parameter's format, as ``%s`` does."""
-    formats = _FORMATS.get(count)
-    if formats is None:
-        formats = _FORMATS[count] = [PyFormat.AUTO] * count
-    return formats
-
-
-def _statement_name(statement: bytes, types: tuple[int, ...]) -> bytes:
-    """A prepared statement's name derived from its text and parameter types.
-
-    Behind a transaction-mode pooler a session may meet statements another client
-    prepared on the same server connection: a name that only ever means one statement
-    keeps that from running the wrong one.
-    """
-    digest = hashlib.blake2b(statement + repr(types).encode(), digest_size=10).hexdigest()
-    return f"django_pglock_{digest}".encode()
-
-
-_converted: dict[str, tuple[bytes, tuple[str, ...]]] = {}  # the statements of sql.py
-
-
-def _positional(query: str) -> tuple[bytes, tuple[str, ...]]:
-    """``query`` with its ``%(name)s`` placeholders as ``$1``, ``$2``…, encoded, and the
-    names in placeholder order.
-
-    Each (constant) statement is converted and encoded once, then sent as it is on every
-    attempt, without psycopg's own placeholder conversion and encoding per call.
-    """
-    names: list[str] = []
-
-    def number(match: re.Match[str]) -> str:
-        if match.group(1) not in names:
-            names.append(match.group(1))
-        return f"${names.index(match.group(1)) + 1}"
-
-    return _PLACEHOLDER.sub(number, query).encode(), tuple(names)
 
 
 def _tell_session_ended(conn: LockConnection, generation: int) -> None:

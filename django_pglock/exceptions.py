@@ -15,3 +15,11 @@ class LockNotAcquired(LockError):
 
 class LockNotHeld(LockError):
     """The lease was lost, released, or never belonged to this process."""
+
+
+class SessionEnded(LockError):
+    """The session a statement had to run on (the one holding a lease's key) has ended."""
+
+
+class ConnectionBusy(LockError):
+    """The lock connection stayed busy with another thread's statement for too long."""

@@ -390,7 +390,7 @@ def statement_path(request):
     conn._prepare = request.param != "direct-unprepared"
     yield request.param
     conn.close()
-    conn._direct = connection_module._fetch_results is not None
+    conn._direct = connection_module.Protocol.direct_available
 
 
 def test_both_statement_paths_grant_refuse_reclaim_and_release(db, statement_path):

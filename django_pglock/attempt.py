@@ -1,0 +1,201 @@
+"""One acquire statement and what follows from its outcome (the core of ``Lock``).
+
+A grant becomes a registered :class:`~django_pglock.lease.Lease`; a refusal sends the
+contention signals. A grant that its caller will never receive (the statement or what
+follows it was interrupted by a signal handler's exception) is handed to the heartbeat
+thread to be released, and an advisory key a failed statement took is given back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import heartbeat, signals, sql
+from .connection import LockConnection, get_connection
+from .events import call_metrics, send
+from .exceptions import LockError
+from .identity import current
+from .lease import Lease
+from .states import Key
+
+if TYPE_CHECKING:
+    from .options import Resolved
+
+__all__ = ["AttemptMixin"]
+
+
+class AttemptMixin:
+    """The attempt half of :class:`~django_pglock.lock.Lock`."""
+
+    name: str
+    record: bool
+    _cached_params: tuple[tuple[Any, ...], dict[str, Any]] | None
+
+    def _resolved(self) -> Resolved:  # pragma: no cover - defined by Lock
+        raise NotImplementedError
+
+    def _description(self) -> str:  # pragma: no cover - defined by Lock
+        raise NotImplementedError
+
+    def _hooks(self) -> tuple[Any, ...]:  # pragma: no cover - defined by Lock
+        raise NotImplementedError
+
+    def _params(self, resolved: Resolved, conn: LockConnection, advisory: bool) -> dict[str, Any]:
+        """The acquire statement's parameters: the same for every attempt until the
+        settings, the session, the process or the description change."""
+        identity = current()
+        description = self._description()
+        key = (resolved, advisory, identity, description)
+        cached = self._cached_params
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        thresholds = resolved.thresholds
+        params = {
+            "name": self.name,
+            "holder": identity.holder,
+            "host": identity.host,
+            "pid": identity.pid,
+            "description": description,
+            "heartbeat_interval": thresholds.heartbeat_interval,
+            "alert_after": thresholds.alert_after,
+            "stale_after": thresholds.stale_after,
+            "advisory": advisory,
+            "key": resolved.key,
+        }
+        self._cached_params = (key, params)
+        return params
+
+    def _attempt(
+        self, *, first: bool = True, want_holder: bool = True, sync: bool = False
+    ) -> tuple[Lease | None, dict[str, Any] | None]:
+        """One acquire statement: ``(lease, previous holder)`` or ``(None, current holder)``.
+
+        With ``want_holder=False`` the current holder of a refused attempt is only
+        described when a signal receiver or an alert needs it.
+        """
+        resolved = self._resolved()
+        conn = get_connection(resolved.alias)
+        if resolved.advisory:
+            conn.ensure_open()  # a pooler is looked for when the session opens
+        use_advisory = resolved.advisory and not conn.pooled
+        params = self._params(resolved, conn, use_advisory)
+        sent = time.monotonic()
+
+        def orphaned(rows: list[tuple[Any, ...]]) -> None:
+            # The statement was interrupted (a signal handler raised) after it granted.
+            if rows and rows[0][0] is not None:
+                self._lease(rows[0], conn, resolved, params, sent, use_advisory)._abandon()
+
+        statement = sql.ACQUIRE_RECORDED if self.record else sql.ACQUIRE
+        try:
+            rows = conn.execute(statement, params, on_interrupted=orphaned)
+        except BaseException:
+            if use_advisory:
+                self._drop_stray_key(conn, resolved.key)
+            raise
+        if rows[0][0] is None:
+            return None, self._refused(rows[0], first, want_holder)
+        lease = self._lease(rows[0], conn, resolved, params, sent, use_advisory)
+        try:
+            return lease, self._took(lease, rows[0], conn)
+        except BaseException:
+            lease._abandon()
+            raise
+
+    def _drop_stray_key(self, conn: LockConnection, key: int) -> None:
+        """A failed or interrupted attempt may have taken the key before it ended (a
+        session-level lock outlives the rolled-back statement): give it back, unless a
+        lease of this process holds it on this session (then the attempt never took it)."""
+        if not conn.is_open():
+            return  # the key went with the session
+        generation = conn.generation
+        for lease in heartbeat.registry().leases(conn.alias):
+            held = lease._key_state is Key.HELD and lease._generation == generation
+            if lease._key == key and held:
+                return
+        with contextlib.suppress(LockError):
+            conn.execute(sql.UNLOCK, {"key": key}, session=generation)
+
+    def _lease(
+        self,
+        row: tuple[Any, ...],
+        conn: LockConnection,
+        resolved: Resolved,
+        params: dict[str, Any],
+        sent: float,
+        use_advisory: bool,
+    ) -> Lease:
+        token, acquired_at, advisory = row[0], row[1], bool(row[2])
+        lease = Lease(
+            self,  # type: ignore[arg-type]
+            conn,
+            token,
+            acquired_at,
+            advisory,
+            sent,
+            resolved.thresholds,
+            row[14],
+            holder=params["holder"],
+            key=resolved.key,
+        )
+        if use_advisory and not advisory:
+            # The key was busy (a concurrent contender's statement held it): take it later.
+            lease._set_key(Key.WANTED)
+        heartbeat.registry().add(lease)
+        return lease
+
+    def _refused(
+        self, row: tuple[Any, ...], first: bool, want_holder: bool
+    ) -> dict[str, Any] | None:
+        """A refused attempt: signals and alerts; the current holder, when wanted."""
+        wanted = want_holder or (first and bool(signals.lock_contended.receivers))
+        previous, alerting = self._previous(row, wanted)
+        if first:
+            send(signals.lock_contended, self, name=self.name, holder=previous)
+            hooks = self._hooks()
+            if hooks:
+                call_metrics(hooks, "contended", self.name)
+        if alerting:
+            send(
+                signals.lock_alert,
+                self,
+                name=self.name,
+                holder=previous,
+                heartbeat_age=row[10],
+                lease=None,
+            )
+            call_metrics(self._hooks(), "alert", self.name, row[10])
+        return previous
+
+    def _previous(self, row: tuple[Any, ...], wanted: bool) -> tuple[dict[str, Any] | None, bool]:
+        """The holder an attempt saw (``None`` if none, or if nobody needs it described)
+        and whether it was in alert."""
+        prev_token, prev_age, prev_alert_after = row[4], row[10], row[11]
+        alerting = prev_token is not None and prev_age > prev_alert_after
+        if prev_token is None:
+            return None, False
+        if not (wanted or row[0] is not None or alerting):
+            return None, alerting
+        fields = ("token", "holder", "host", "pid", "acquired_at", "description", "heartbeat_age")
+        return dict(zip(fields, row[4:11], strict=True)), alerting
+
+    def _took(
+        self, lease: Lease, row: tuple[Any, ...], conn: LockConnection
+    ) -> dict[str, Any] | None:
+        """After a grant: leave the advisory path if a pooler showed itself, and finish
+        a reclaimed holder's run. Returns the previous holder, if the grant took over."""
+        if conn.note_backend_pid(int(row[3])):
+            # Every lease of this process on the alias leaves the advisory path at once.
+            heartbeat.leave_advisory_path(conn, heartbeat.registry().leases(conn.alias))
+        elif lease.advisory and conn.pooled:
+            heartbeat.leave_advisory_path(conn, [lease])
+        previous, _ = self._previous(row, True)
+        if previous is not None:
+            # The previous holder may be dead: finish its run, if it recorded one.
+            conn.execute(sql.FINISH_LOST_RUN, {"name": self.name, "token": previous["token"]})
+            reason = "stale" if row[12] else "abandoned"
+            send(signals.lock_reclaimed, self, lease=lease, previous=previous, reason=reason)
+            call_metrics(self._hooks(), "stale_reclaimed", self.name)
+        return previous
