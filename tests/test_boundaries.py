@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -237,19 +235,13 @@ time.sleep(120)
 """
 
 
-def test_a_forked_child_does_not_keep_its_dead_parents_lock_alive(db, child_env):
-    holder = subprocess.Popen(
-        [sys.executable, "-c", FORKING_HOLDER, "forked-parent"],
-        env=child_env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+def test_a_forked_child_does_not_keep_its_dead_parents_lock_alive(db, procs):
+    holder = procs.python(FORKING_HOLDER, "forked-parent")
     child_pid = None
     try:
-        line = holder.stdout.readline().split()
-        assert line and line[0] == "READY", line
+        line = holder.expect("READY").split()
         token, child_pid = int(line[1]), int(line[2])
-        holder.kill()  # the parent dies; its forked child runs on
+        holder.kill()  # the parent dies (not its process group): its forked child runs on
         holder.wait(10)
         # The parent's session ends with the parent: a contender takes over at once
         # (stale_after is 600 s here).
@@ -257,9 +249,6 @@ def test_a_forked_child_does_not_keep_its_dead_parents_lock_alive(db, child_env)
         assert lease.token > token
         lease.release()
     finally:
-        holder.kill()
-        holder.wait()
-        holder.stdout.close()
         if child_pid:
             with_suppressed_kill(child_pid)
 

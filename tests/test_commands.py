@@ -208,7 +208,7 @@ def test_sigterm_is_forwarded_to_the_child_and_the_lock_released(procs, tmp_path
     wait_for_file(pidfile, procs=[runner])
     child_pid = int(pidfile.read_text())
     assert lock_row(db, "exit_with")["pid"] == runner.pid
-    runner.send_signal(signal.SIGTERM)
+    runner.signal(signal.SIGTERM)
     result = procs.finish(runner, timeout=15)
     assert result.returncode == 0, result.stderr
     assert marker.read_text() == "TERM\n"

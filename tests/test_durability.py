@@ -65,7 +65,6 @@ def test_a_release_the_caller_was_told_about_survives_a_server_crash(pg, db, pro
         pg.restart("immediate")  # right after the release returned
         row = db.row(name)
         assert row is None, f"crash {attempt}: the released row came back: {row}"
-        worker.send("stop")
         worker.finish()
 
 
@@ -95,5 +94,4 @@ def test_a_heartbeat_the_holder_counted_survives_a_server_crash(pg, db, procs, l
             f"crash {attempt}: a heartbeat seen committed at {seen['last_heartbeat']} was "
             f"lost; the row went back to {after['last_heartbeat']}"
         )
-        worker.send("stop")
         worker.finish()

@@ -26,7 +26,6 @@ Without ``pgbouncer`` installed these tests skip, unless ``CI`` is set: then the
 
 from __future__ import annotations
 
-import queue
 import signal
 import subprocess
 import sys
@@ -53,6 +52,7 @@ from tests.faultkit import (  # noqa: F401  (fixtures "log", "procs")
     wait_until,
     worker_env,
 )
+from tests.procs import go_together
 
 pytestmark = pytest.mark.slow
 
@@ -122,15 +122,12 @@ def contend(procs, env, name, log, workers=3, seconds=5, extra=()):
     args = ["job", "--name", name, "--log", log, *SMALL, "--seconds", seconds, "--wait-go"]
     args += ["--poll-interval", "0.05", "--hold-for", "0.02", "--pause", "0.03", *extra]
     started = [procs.worker(env, *args) for _ in range(workers)]
-    for worker in started:
-        worker.ready()
-    for worker in started:
-        worker.send("go")
+    go_together(started)
     done = {}
     for worker in started:
         line = worker.expect("DONE", timeout=seconds + 30, skip=("GRANTED", "LEFT", "FAIL"))
         done[worker.pid] = dict(word.split("=") for word in line.split()[1:])
-        assert worker.popen.wait(15) == 0, worker.stderr_text
+        assert worker.wait(15) == 0, worker.stderr_text
         worker.drain()
     return started, done
 
@@ -175,19 +172,8 @@ def acquire_attempted_since(db, since, backends=None):
 
 def grant_within(worker, seconds):
     """The token of ``worker``'s next GRANTED line within ``seconds``, else ``None``."""
-    deadline = time.monotonic() + seconds
-    while (remaining := deadline - time.monotonic()) > 0:
-        try:
-            line = worker.lines.get(timeout=remaining)
-        except queue.Empty:
-            return None
-        if line is None:
-            worker.lines.put(None)
-            pytest.fail(f"worker exited early; stderr:\n{worker.stderr_text}")
-        worker.seen.append(line)
-        if line.startswith("GRANTED"):
-            return int(line.split()[1])
-    return None
+    line = worker.line_within("GRANTED", seconds)
+    return None if line is None else int(line.split()[1])
 
 
 def warm(bouncer, servers):

@@ -26,6 +26,7 @@ from django.db import connection, transaction
 from django_pglock import Lock
 from django_pglock.operations import lock_status
 from tests.faultkit import wait_until
+from tests.procs import go_together
 
 LOCK_TABLE = "django_pglock_joblock"
 ROW_COLUMNS = (
@@ -244,7 +245,7 @@ def test_sigkill_of_holder_lets_a_waiter_take_over_within_poll_interval(run_chil
     time.sleep(0.3)
     assert waiter.lines.empty(), "the waiter must not get the lock while the holder lives"
 
-    holder.send_signal(signal.SIGKILL)
+    holder.signal(signal.SIGKILL)
     killed_at = time.monotonic()
     line = waiter.expect("ACQUIRED", timeout=10)
     takeover = time.monotonic() - killed_at
@@ -291,7 +292,7 @@ def test_holder_granted_while_its_key_was_busy_takes_the_key_and_stays_crash_fas
     before = db.lock_sessions()
     waiter = run_child("wait", "--name", name, "--advisory", "on", "--poll-interval", poll)
     wait_for_new_session(db, before)
-    holder.send_signal(signal.SIGKILL)
+    holder.signal(signal.SIGKILL)
     killed_at = time.monotonic()
     line = waiter.expect("ACQUIRED", timeout=10)
     takeover = time.monotonic() - killed_at
@@ -308,7 +309,7 @@ def test_sigkill_of_a_table_only_holder_does_not_free_the_lock_before_stale(run_
     name = unique_name("sigkill-table")
     holder, token = start_holder(run_child, name, "--advisory", "off")
     assert db.row(name)["advisory"] is False
-    holder.send_signal(signal.SIGKILL)
+    holder.signal(signal.SIGKILL)
     assert holder.wait(5) == -signal.SIGKILL
     time.sleep(0.3)  # the server has ended the dead holder's session by now
     assert attempt_in_child(run_child, name) == "REFUSED"
@@ -333,7 +334,7 @@ def test_stopped_holder_goes_alert_then_stale_and_never_touches_its_successor(
         assert db.row(name)["advisory"] is True
         assert db.advisory_locks_of(old_backend) == 1
 
-    holder.send_signal(signal.SIGSTOP)
+    holder.signal(signal.SIGSTOP)
     stopped_at = time.monotonic()
     # A contender that keeps trying (poll 0.1) from the moment the holder hangs: it must not
     # get in before stale_after by the database clock, whatever its own thresholds are.
@@ -374,7 +375,7 @@ def test_stopped_holder_goes_alert_then_stale_and_never_touches_its_successor(
     )
 
     # The old holder resumes: it learns at once that it lost, and never touches the new row.
-    holder.send_signal(signal.SIGCONT)
+    holder.signal(signal.SIGCONT)
     resumed_at = time.monotonic()
     holder.expect("LOST_DETECTED", timeout=5)
     detection = time.monotonic() - resumed_at
@@ -514,10 +515,7 @@ def test_contending_processes_never_overlap_and_all_get_the_lock(run_child, db, 
     log = tmp_path / "contend.log"
     options = ("--seconds", "6", "--log", log, "--poll-interval", "0.05", "--hold-for", "0.005")
     workers = [run_child("contend", "--name", name, *options, "--pause", "0.01") for _ in range(4)]
-    for worker in workers:
-        worker.expect("READY", timeout=20)
-    for worker in workers:
-        worker.send("go")
+    go_together(workers)
     grants = {}
     for worker in workers:
         grants[worker.pid] = int(worker.expect("CONTENDED", timeout=20).split()[1])
