@@ -83,31 +83,40 @@ class AttemptMixin:
         params = self._params(resolved, conn, use_advisory)
         sent = time.monotonic()
 
-        def orphaned(rows: list[tuple[Any, ...]]) -> None:
-            # The statement was interrupted (a signal handler raised) after it granted.
+        def failed(rows: list[tuple[Any, ...]], alive: bool) -> None:
+            # The statement failed or was interrupted (a signal handler raised). If it
+            # granted anyway, nobody will use the grant: release it from the heartbeat
+            # thread. Otherwise a key it took outlives it: give that back.
             if rows and rows[0][0] is not None:
                 self._lease(rows[0], conn, resolved, params, sent, use_advisory)._abandon()
+            elif alive and use_advisory:
+                self._drop_stray_key(conn, resolved.key)
 
         statement = sql.ACQUIRE_RECORDED if self.record else sql.ACQUIRE
+        lease = None
         try:
-            rows = conn.execute(statement, params, on_interrupted=orphaned)
-        except BaseException:
-            if use_advisory:
-                self._drop_stray_key(conn, resolved.key)
-            raise
-        if rows[0][0] is None:
-            return None, self._refused(rows[0], first, want_holder)
-        lease = self._lease(rows[0], conn, resolved, params, sent, use_advisory)
-        try:
+            # The grant is registered before the connection is let go, so the heartbeat
+            # thread's sweep for orphaned rows never takes a grant being handed over.
+            with conn.lock:
+                rows = conn.execute(statement, params, after_failure=failed)
+                if rows[0][0] is not None:
+                    lease = self._lease(rows[0], conn, resolved, params, sent, use_advisory)
+            if lease is None:
+                return None, self._refused(rows[0], first, want_holder)
             return lease, self._took(lease, rows[0], conn)
         except BaseException:
-            lease._abandon()
+            if lease is not None:
+                lease._abandon()
+            else:  # a grant may have been lost between the server and here
+                conn.orphans_possible = True
+                heartbeat.registry().sweep_soon(conn.alias)
             raise
 
     def _drop_stray_key(self, conn: LockConnection, key: int) -> None:
         """A failed or interrupted attempt may have taken the key before it ended (a
         session-level lock outlives the rolled-back statement): give it back, unless a
-        lease of this process holds it on this session (then the attempt never took it)."""
+        lease of this process holds it on this session (then the attempt never took it).
+        Runs while the statement's caller still holds the connection."""
         if not conn.is_open():
             return  # the key went with the session
         generation = conn.generation

@@ -21,10 +21,10 @@ from django.db import connections
 from psycopg import abc
 from psycopg.adapt import Transformer
 
-from . import sql
+from . import protocol, sql
 from .conf import get_setting, validate_alias
 from .exceptions import ConnectionBusy, LockError, SessionEnded
-from .protocol import Protocol, converted
+from .protocol import NoAnswer, Protocol, converted
 
 __all__ = ["ConnectionBusy", "LockConnection", "SessionEnded", "get_connection", "validate_alias"]
 
@@ -72,6 +72,9 @@ class LockConnection(Protocol):
         self.generation = 0
         self.backend_pid: int | None = None
         self.pooled = False  # a transaction-mode pooler was detected
+        # A statement was interrupted: a row of this process that no lease owns may exist
+        # (the heartbeat thread sweeps them; see sql.SWEEP_ORPHANS).
+        self.orphans_possible = False
         self._pooler_announced = False  # callers were told, so leases left the advisory path
         self.durable_commit = "on"  # the session's synchronous_commit (never off)
         self._conn: psycopg.Connection[Any] | None = None
@@ -153,17 +156,20 @@ class LockConnection(Protocol):
         *,
         session: int | None = None,
         wait: float | None = None,
-        on_interrupted: Callable[[list[tuple[Any, ...]]], None] | None = None,
+        after_failure: Callable[[list[tuple[Any, ...]], bool], None] | None = None,
     ) -> list[tuple[Any, ...]]:
         """Run one statement and return its rows; on a broken connection raise ``LockError``.
 
         ``session``: run only on that session (``generation``), never on a new one, else
         raise :class:`SessionEnded` (a statement about an advisory key must not reconnect).
         ``wait``: seconds to wait for another thread's statement at most, else raise
-        :class:`ConnectionBusy`. An exception raised while the statement is in flight (a
-        signal handler's, such as a job timeout) cancels and drains it before it
-        propagates, so the connection stays usable; ``on_interrupted`` then gets the rows
-        the statement returned anyway, if it completed.
+        :class:`ConnectionBusy`. A statement with no answer within
+        :data:`STATEMENT_DEADLINE` (a stopped server process, a stalled network) gives
+        its session up. An exception raised while the statement is in flight (a signal
+        handler's, such as a job timeout) cancels and drains it before it propagates, so
+        the connection stays usable. Whenever a statement that was sent fails,
+        ``after_failure(rows, session_alive)`` runs first, still holding the connection:
+        ``rows`` are what the statement returned anyway, if it completed.
         """
         statement, names = converted(query)
         values = [params[name] for name in names]
@@ -183,24 +189,34 @@ class LockConnection(Protocol):
                 self._conn = self._connect()
             try:
                 return self._run_or_retry(statement, values)
+            except NoAnswer:
+                ended = self._discard()  # a server that does not answer gets no cancel either
+                _call(after_failure, [], False)
+                raise LockError(
+                    f"A lock statement on database alias {self.alias!r} got no answer within "
+                    f"{protocol.STATEMENT_DEADLINE:g} s; the session was given up."
+                ) from None
             except psycopg.OperationalError as exc:
                 if self._conn.broken or self._conn.closed:
                     ended = self._discard()
+                    _call(after_failure, [], False)
                     raise LockError(
                         f"The lock connection for database alias {self.alias!r} was lost: "
                         f"{_first_line(exc)}."
                     ) from None
+                _call(after_failure, [], True)
                 raise LockError(
                     f"A lock statement failed on database alias {self.alias!r}: {_first_line(exc)}."
                 ) from exc
             except psycopg.Error as exc:
+                _call(after_failure, [], True)
                 raise LockError(
                     f"A lock statement failed on database alias {self.alias!r}: {_first_line(exc)}."
                 ) from exc
             except BaseException:
+                self.orphans_possible = True  # whatever it did, its caller never hears
                 rows, ended = self._abort_in_flight()
-                if rows and on_interrupted is not None:
-                    on_interrupted(rows)
+                _call(after_failure, rows, ended is None)
                 raise
         finally:
             self.lock.release()
@@ -309,6 +325,15 @@ class LockConnection(Protocol):
             ended = self._discard()
         if ended is not None:
             _tell_session_ended(self, ended)
+
+
+def _call(
+    after_failure: Callable[[list[tuple[Any, ...]], bool], None] | None,
+    rows: list[tuple[Any, ...]],
+    alive: bool,
+) -> None:
+    if after_failure is not None:
+        after_failure(rows, alive)
 
 
 def _tell_session_ended(conn: LockConnection, generation: int) -> None:

@@ -50,7 +50,8 @@ POLL = 0.02
 
 
 def group_alive(pgid: int) -> bool:
-    """Whether process group ``pgid`` has a member that is more than an unreaped zombie."""
+    """Whether process group ``pgid`` has a member that is more than an unreaped zombie
+    (a member whose main thread exited while its other threads run is not one)."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -72,7 +73,9 @@ def group_alive(pgid: int) -> bool:
             continue
         if len(fields) > 2 and int(fields[2]) == pgid:
             members += 1
-            if fields[0] != b"Z":
+            # A process whose main thread exited shows Z while other threads run on.
+            threads = int(fields[17]) if len(fields) > 17 else 1
+            if fields[0] != b"Z" or threads > 1:
                 return True
     return members == 0  # only zombies: gone; none visible in /proc: trust kill()
 
@@ -127,6 +130,13 @@ class _Guardian:
             self.reports = None
 
     def start(self, argv: Sequence[str]) -> bool:
+        # Orders sent before the start (the dead man's switch) count from the start; a
+        # locked_run already gone by now gets no job at all.
+        if self.orders is not None and select.select([self.orders], [], [], 0)[0]:
+            self._take_orders()
+        if self.orders is None:
+            self.report("failed 0")
+            return False
         try:
             # A new session: a process group of its own, and no controlling terminal,
             # so the terminal's job control never reaches it behind locked_run's back.

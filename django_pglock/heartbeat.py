@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from . import sql
 from .connection import LockConnection, get_connection, on_session_end
 from .events import call_metrics
-from .exceptions import LockError
+from .exceptions import ConnectionBusy, LockError
 from .states import Key, State
 
 if TYPE_CHECKING:
@@ -33,8 +33,11 @@ __all__ = ["beat", "registry"]
 
 logger = logging.getLogger("django_pglock")
 
-#: How long a release at interpreter exit waits for a busy lock connection at most.
+#: How long a release at interpreter exit waits for a busy lock connection at most, and
+#: how long failed releases are retried at exit before the process gives up on them.
 EXIT_WAIT = 1.0
+EXIT_RETRIES = 5.0
+EXIT_BUSY_WAIT = 0.2
 
 #: How soon a failed heartbeat or a release waiting for a guarded transaction is retried.
 RETRY_INTERVAL = 0.1
@@ -118,15 +121,7 @@ class Registry:
             held[lease.token] = lease
             self._idle_wait = min(lease.heartbeat_interval, lease.alert_after)
             releasing = lease.state is State.RELEASING
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="django_pglock-heartbeat", daemon=True
-                )
-                self._thread.start()
-                self._watchdog = threading.Thread(
-                    target=self._run_watchdog, name="django_pglock-watchdog", daemon=True
-                )
-                self._watchdog.start()
+            self._ensure_threads()
             # Wake the watchdog only if this lease needs it sooner than it planned to.
             first_due = min(lease._deadline, lease._confirmed_at + lease.alert_after)
             planned = self._watchdog_next
@@ -140,6 +135,26 @@ class Registry:
             soon = soon or now + self._idle_wait < self._next_wake
         if soon:
             self.wake()
+
+    def _ensure_threads(self) -> None:
+        """Start the heartbeat thread and its watchdog (caller holds ``_lock``)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(
+                target=self._run, name="django_pglock-heartbeat", daemon=True
+            )
+            self._thread.start()
+            self._watchdog = threading.Thread(
+                target=self._run_watchdog, name="django_pglock-watchdog", daemon=True
+            )
+            self._watchdog.start()
+
+    def sweep_soon(self, alias: str) -> None:
+        """An interrupted statement on ``alias`` may have left a grant nobody owns: have
+        the heartbeat thread look for it now (see ``_sweep``)."""
+        with self._lock:
+            self._leases.setdefault(alias, {})
+            self._ensure_threads()
+        self.wake()
 
     def discard(self, lease: Lease) -> None:
         """Stop heartbeating ``lease`` (the thread notices at its next wake-up)."""
@@ -206,6 +221,8 @@ class Registry:
                     live.append(lease)
                 elif state is State.LOST:
                     watched.append(lease)  # lost by its deadline: still holds its key
+            if conn.orphans_possible:
+                wake_at = min(wake_at, self._sweep(conn, now))
             if not live and not watched:
                 continue
             interval = min(lease.heartbeat_interval for lease in live or watched)
@@ -228,6 +245,35 @@ class Registry:
                 due = now + interval
             wake_at = min(wake_at, due)
         return max(0.0, wake_at - time.monotonic())
+
+    def _sweep(self, conn: LockConnection, now: float) -> float:
+        """Release rows of this process that no lease owns (``sql.SWEEP_ORPHANS``), after
+        an interrupted statement; return when to look again."""
+        from .identity import current
+        from .lease import unreleased_tokens
+
+        try:
+            with conn.lock:  # no grant is between its statement and its lease meanwhile
+                conn.orphans_possible = False
+                tokens = unreleased_tokens(conn.alias)
+                params = {"holder": current().holder, "tokens": tokens}
+                rows = conn.execute(sql.SWEEP_ORPHANS, params)
+                keys = {lease._key for lease in self.leases(conn.alias)}
+                for name, token, keyed in rows:
+                    logger.warning(
+                        "django_pglock: released lock %r (token %s): granted to this process "
+                        "while an exception interrupted the grant, so nobody held it",
+                        name,
+                        token,
+                    )
+                    key = sql.advisory_key(name)
+                    if keyed and key not in keys:
+                        conn.execute(sql.UNLOCK, {"key": key}, session=conn.generation)
+        except LockError as exc:
+            conn.orphans_possible = True
+            logger.debug("django_pglock: sweeping orphaned grants failed: %s", exc)
+            return now + RETRY_INTERVAL
+        return now + 60.0
 
     def session_ended(self, conn: LockConnection, generation: int) -> None:
         """A lock session ended: the leases whose key it held learn at once."""
@@ -295,9 +341,31 @@ def release_all_at_exit() -> None:
     held = _registry
     if held is None or held.pid != os.getpid():
         return
-    for lease in held.leases():
+    leases = held.leases()
+    for lease in leases:
         with contextlib.suppress(Exception):
             lease._release(EXIT_WAIT)  # a stuck connection must not keep the process
+    # Releases that failed (now or before) get their retries here: the heartbeat thread
+    # that would retry them dies with the process, and on the table path a row left
+    # behind would block its name until stale_after.
+    # A connection that stays busy is stuck (a statement on an unresponsive server): its
+    # releases are given up at once, so that the process exits.
+    deadline = time.monotonic() + EXIT_RETRIES
+    pending = [lease for lease in leases if lease.state is State.RELEASING]
+    busy: set[int] = set()
+    while pending and time.monotonic() < deadline:
+        for lease in pending:
+            try:
+                lease._finish_release(EXIT_BUSY_WAIT)
+            except ConnectionBusy:
+                busy.add(id(lease))
+            except Exception:
+                continue
+        pending = [
+            lease for lease in pending if lease.state is State.RELEASING and id(lease) not in busy
+        ]
+        if pending:
+            time.sleep(RETRY_INTERVAL)
     held.closing = True  # servers stopping at exit are no news
 
 

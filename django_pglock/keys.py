@@ -85,6 +85,8 @@ class KeyMixin:
                 if not self._usable_for_key() or conn.pooled:
                     self._set_key(Key.NONE)
                     return
+            # Marked held before the connection is let go, so that no other thread's
+            # failed attempt takes this key for a stray one and unlocks it.
             with conn.lock:
                 rows = conn.execute(
                     sql.ADOPT_KEY,
@@ -92,18 +94,17 @@ class KeyMixin:
                     session=self._generation,
                 )
                 generation = conn.generation
-            adopted = bool(rows[0][0])
-            with self._state_lock:
-                if not adopted:
-                    self._key_retry_at = now + self._key_retry_delay
-                    self._key_retry_delay = min(
-                        self._key_retry_delay * 2, self.heartbeat_interval, LAST_KEY_RETRY
-                    )
-                    return
-                if self._usable_for_key() and conn.generation == generation:
-                    self._set_key(Key.HELD, generation)
-                    return
-                self._set_key(Key.NONE)
+                with self._state_lock:
+                    if not rows[0][0]:
+                        self._key_retry_at = now + self._key_retry_delay
+                        self._key_retry_delay = min(
+                            self._key_retry_delay * 2, self.heartbeat_interval, LAST_KEY_RETRY
+                        )
+                        return
+                    if self._usable_for_key() and conn.generation == generation:
+                        self._set_key(Key.HELD, generation)
+                        return
+                    self._set_key(Key.NONE)
         # Lost while the key was being taken: nobody else will give it back.
         with contextlib.suppress(LockError):
             conn.execute(sql.UNLOCK, {"key": self._key}, session=generation)

@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -36,6 +37,15 @@ if TYPE_CHECKING:
 __all__ = ["TRANSITIONS", "Lease", "State"]
 
 logger = logging.getLogger("django_pglock")
+
+
+#: Leases not yet released, by token (weakly: a lease its caller dropped is an orphan).
+_unreleased: weakref.WeakValueDictionary[int, Lease] = weakref.WeakValueDictionary()
+
+
+def unreleased_tokens(alias: str) -> list[int]:
+    """Tokens of this process's leases on ``alias`` whose rows it may still own."""
+    return [lease.token for lease in list(_unreleased.values()) if lease.using == alias]
 
 
 #: Which lease each thread holds by name, so that the same thread acquiring a name it
@@ -115,6 +125,7 @@ class Lease(KeyMixin, ReleaseMixin):
         self._release_lock = threading.Lock()
         self._on_lost: list[Callable[[Lease], None]] = []
         self._run_id = run_id  # the JobRun row of a recorded run
+        _unreleased[token] = self
         if advisory:
             self._set_key(Key.HELD)
 
@@ -139,6 +150,8 @@ class Lease(KeyMixin, ReleaseMixin):
                 self._lost_reason = reason
         if _owned.get((self.using, self.name)) is self:
             _owned.pop((self.using, self.name), None)  # no thread holds it any longer
+        if to is State.RELEASED:
+            _unreleased.pop(self.token, None)
         return True
 
     def _own(self) -> None:
@@ -356,6 +369,7 @@ class Lease(KeyMixin, ReleaseMixin):
 
 def _forget_after_fork() -> None:
     _owned.clear()  # a forked child inherits no lease
+    _unreleased.clear()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)

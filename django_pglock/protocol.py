@@ -27,7 +27,31 @@ except ImportError:  # pragma: no cover - a psycopg without it: the cursor path 
 if TYPE_CHECKING:
     from psycopg import abc
 
-__all__ = ["DRAIN_TIMEOUT", "Protocol", "converted"]
+__all__ = ["DRAIN_TIMEOUT", "STATEMENT_DEADLINE", "NoAnswer", "Protocol", "converted"]
+
+#: How long a lock statement may go without an answer before its session is given up:
+#: the server's own statement_timeout (30 s) plus a little, for what that timeout cannot
+#: see (a stopped server process, a stalled network, a commit waiting for a standby).
+STATEMENT_DEADLINE = 32.0
+
+
+class NoAnswer(Exception):
+    """A statement got no answer before its deadline."""
+
+
+def _bounded(gen: Any, deadline: float) -> Any:
+    """``gen`` (a psycopg protocol generator), raising :class:`NoAnswer` once ``deadline``
+    (``time.monotonic()``) has passed: psycopg resumes it at every poll interval."""
+    try:
+        wanted = next(gen)
+        while True:
+            ready = yield wanted
+            if time.monotonic() > deadline:
+                raise NoAnswer
+            wanted = gen.send(ready)
+    except StopIteration as stop:
+        return stop.value
+
 
 #: How long an interrupted statement may take to be cancelled and drained before the
 #: session is given up instead.
@@ -69,9 +93,9 @@ class Protocol:
                 conn.cancel_safe(timeout=DRAIN_TIMEOUT)
             deadline = time.monotonic() + DRAIN_TIMEOUT
             while pgconn.transaction_status == pq.TransactionStatus.ACTIVE:
-                if _fetch_results is None or time.monotonic() > deadline:
-                    raise TimeoutError("the interrupted statement did not end")
-                results = conn.wait(_fetch_results(pgconn), interval=0.1)
+                if _fetch_results is None:
+                    raise NoAnswer  # pragma: no cover - a psycopg without the direct path
+                results = conn.wait(_bounded(_fetch_results(pgconn), deadline), interval=0.1)
                 if preparing is not None and results:
                     # The statement was being prepared: remember it only if that worked.
                     if results[0].status == pq.ExecStatus.COMMAND_OK:
@@ -106,6 +130,7 @@ class Protocol:
             if result is None or result.status != pq.ExecStatus.TUPLES_OK:
                 return []
             return cursor.fetchall()
+        deadline = time.monotonic() + STATEMENT_DEADLINE
         with conn.lock:
             buffers = tx.dump_sequence(values, _formats(len(values)))
             types = tx.types or ()
@@ -119,7 +144,7 @@ class Protocol:
                     # _abort_in_flight from the prepare's own result.
                     self._preparing = (statement, types, name)
                     pgconn.send_prepare(name, statement, param_types=types)
-                    self._check(conn.wait(_fetch_results(pgconn)))
+                    self._check(conn.wait(_bounded(_fetch_results(pgconn), deadline)))
                     self._preparing = None
                     self._prepared[(statement, types)] = name
                 pgconn.send_query_prepared(name, buffers, param_formats=formats)
@@ -127,7 +152,7 @@ class Protocol:
                 pgconn.send_query_params(
                     statement, buffers, param_types=types, param_formats=formats
                 )
-            result = self._check(conn.wait(_fetch_results(pgconn)))
+            result = self._check(conn.wait(_bounded(_fetch_results(pgconn), deadline)))
             if result.status != pq.ExecStatus.TUPLES_OK:
                 return []
             tx.set_pgresult(result)

@@ -32,7 +32,7 @@ logger = logging.getLogger("django_pglock")
 FIRST_RETRY = 0.1
 #: How long the release of a lost lease waits for a busy lock connection at most (its
 #: heartbeat may be stuck on an unresponsive server) before leaving it to the retries.
-LOST_WAIT = 1.0
+LOST_WAIT = 0.5
 
 
 class ReleaseMixin:
@@ -101,6 +101,9 @@ class ReleaseMixin:
                 f"Releasing lock {self.name!r} (token {self.token}) did not finish: {exc} "
                 "It is retried in the background until it settles."
             ) from None
+        except BaseException:  # a signal handler's: the retries settle it
+            self._retry_release_later()
+            raise
         if not settled:  # a guarded transaction holds the row: delete once it ends
             self._retry_release_later()
 
@@ -111,6 +114,8 @@ class ReleaseMixin:
             self._retry_release_later(at_once=True)
 
     def _retry_release_later(self, *, at_once: bool = False) -> None:
+        if self.state is not State.RELEASING:
+            return  # settled after all (by what an interrupted attempt returned)
         now = time.monotonic()
         with self._state_lock:
             self._release_retry_at = now if at_once else now + self._release_delay
@@ -139,7 +144,7 @@ class ReleaseMixin:
                 return True
             try:
                 return self._try_delete(wait)
-            except LockError:
+            except BaseException:
                 self._release_failures += 1
                 raise
 
@@ -153,11 +158,25 @@ class ReleaseMixin:
             params.update(run_id=self._run_id, outcome=self._outcome, exit_code=self.exit_code)
         # The key is unlocked only on the session that holds it: never on a new one.
         session = self._generation if unlock else None
-        rows = self._conn.execute(statement, params, session=session, wait=wait)
-        deleted, present, _ = rows[0]
+
+        def failed(rows: list[tuple[Any, ...]], alive: bool) -> None:
+            self._release_failures += 1
+            if rows:  # it ran after all (an interruption came before its answer was read)
+                self._settle(rows[0])
+
+        rows = self._conn.execute(
+            statement, params, session=session, wait=wait, after_failure=failed
+        )
+        return self._settle(rows[0])
+
+    def _settle(self, row: tuple[Any, ...]) -> bool:
+        """Apply what a release statement did; ``True`` when the release has settled."""
+        deleted, present, _ = row
         if present and not deleted:
             return False  # locked by a guarded transaction; retried once it ends
         with self._state_lock:
+            if self.state is State.RELEASED:
+                return True
             if self._key_state is Key.HELD:
                 self._set_key(Key.NONE)
             was_lost = self._lost_reason is not None

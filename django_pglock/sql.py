@@ -35,6 +35,7 @@ __all__ = [
     "SESSION_SETUP",
     "STATE_EXPRESSION",
     "STATUS",
+    "SWEEP_ORPHANS",
     "UNLOCK",
     "advisory_key",
 ]
@@ -286,6 +287,24 @@ SELECT EXISTS (SELECT 1 FROM marked),
        CASE WHEN got.held AND NOT EXISTS (SELECT 1 FROM marked)
             THEN pg_advisory_unlock(%(key)s) END
 FROM got
+"""
+
+# Rows of this process (its holder id) that no lease of it owns: grants whose caller never
+# heard of them (an exception raised by a signal handler between the server and the
+# registry). Run only after such an interruption, by the heartbeat thread, holding the
+# connection so that no grant is between its statement and its registration meanwhile.
+# Their runs are finished as lost; the caller gives back the keys this session holds.
+SWEEP_ORPHANS = f"""
+WITH gone AS (
+    DELETE FROM {_T}
+    WHERE holder = %(holder)s AND NOT (token = ANY(%(tokens)s::bigint[]))
+    RETURNING name, token, advisory, backend_pid
+), run AS (
+    UPDATE {_RUNS} r SET finished_at = now(), outcome = 'lost',
+        duration = extract(epoch FROM now() - r.started_at)::float8
+    FROM gone WHERE r.name = gone.name AND r.token = gone.token AND r.finished_at IS NULL
+)
+SELECT name, token, advisory AND backend_pid = pg_backend_pid() FROM gone
 """
 
 # Behind a transaction-mode pooler: stop declaring the advisory path on our rows, so

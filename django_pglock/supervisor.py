@@ -28,6 +28,7 @@ class GuardedJob:
     ``hold_fd`` (the lock connection's socket) is passed to the guardian, which keeps it
     open until the job's process group is gone. ``ignored`` are the forwarded signals
     that were ignored where ``locked_run`` started; they stay ignored for the job.
+    ``expire_at`` arms the dead man's switch (see :meth:`expire_at`) before the job starts.
     """
 
     def __init__(
@@ -38,6 +39,7 @@ class GuardedJob:
         grace: float,
         hold_fd: int | None = None,
         ignored: Sequence[int] = (),
+        expire_at: float | None = None,
     ) -> None:
         self.pid: int | None = None  # the job's leader, and its process group id
         self.exit_code: int | None = None  # as Popen.returncode: -N for signal N
@@ -47,6 +49,10 @@ class GuardedJob:
         self._buffer = b""
         orders_r, self._orders = os.pipe()
         self._reports, reports_w = os.pipe()
+        if expire_at is not None:
+            # Armed before the guardian starts: a locked_run stopped right after it
+            # forks cannot leave the job without a dead man's switch.
+            os.write(self._orders, f"expire {expire_at!r}\n".encode())
         hold = -1 if hold_fd is None else hold_fd
         command = [
             sys.executable,

@@ -220,7 +220,10 @@ class Command(BaseCommand):
         try:
             hold = _lock_socket(lease)
             try:
-                job = GuardedJob(child_argv, env, grace=grace, hold_fd=hold, ignored=ignored)
+                expire = lease._held_until() if options["on_lost"] == "terminate" else None
+                job = GuardedJob(
+                    child_argv, env, grace=grace, hold_fd=hold, ignored=ignored, expire_at=expire
+                )
             except (JobNotStarted, OSError) as exc:
                 raise CommandError(
                     f"Could not start {child_argv[0]!r}: {exc.strerror}.", returncode=EXIT_USAGE
