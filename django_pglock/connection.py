@@ -75,6 +75,8 @@ class LockConnection(Protocol):
         # A statement was interrupted: a row of this process that no lease owns may exist
         # (the heartbeat thread sweeps them; see sql.SWEEP_ORPHANS).
         self.orphans_possible = False
+        self._backend_start: Any = None  # when this session's server process started
+        self._abandoned: list[tuple[int | None, Any]] = []  # sessions that stopped answering
         self._pooler_announced = False  # callers were told, so leases left the advisory path
         self.durable_commit = "on"  # the session's synchronous_commit (never off)
         self._conn: psycopg.Connection[Any] | None = None
@@ -134,7 +136,14 @@ class LockConnection(Protocol):
         assert row is not None
         self.durable_commit = str(row[0])
         self.backend_pid = int(row[5])
+        self._backend_start = row[6]
         self.generation += 1
+        for pid, started in self._abandoned:
+            with contextlib.suppress(psycopg.Error):
+                conn.execute(sql.END_ABANDONED, {"pid": pid, "started": started}, prepare=False)
+        if self._abandoned:
+            self._abandoned = []
+            self.orphans_possible = True  # what it ran before it ended may have granted
         self._cursor = psycopg.RawCursor(conn)
         self._tx = Transformer(conn)
         self._prepared = {}
@@ -190,7 +199,10 @@ class LockConnection(Protocol):
             try:
                 return self._run_or_retry(statement, values)
             except NoAnswer:
-                ended = self._discard()  # a server that does not answer gets no cancel either
+                # A server that does not answer gets no cancel either: the session is
+                # ended on the server from the next session (sql.END_ABANDONED).
+                self._abandoned.append((self.backend_pid, self._backend_start))
+                ended = self._discard()
                 _call(after_failure, [], False)
                 raise LockError(
                     f"A lock statement on database alias {self.alias!r} got no answer within "

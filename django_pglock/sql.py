@@ -18,6 +18,7 @@ __all__ = [
     "CHECK",
     "CLAIM_SLOT",
     "DISABLE_ADVISORY",
+    "END_ABANDONED",
     "FINISH_LOST_RUN",
     "FORCE_RELEASE",
     "GUARD",
@@ -379,7 +380,16 @@ SELECT set_config('synchronous_commit',
        set_config('lock_timeout', %(lock_timeout)s, false),
        set_config('plan_cache_mode', 'force_generic_plan', false),
        set_config('default_transaction_isolation', 'read committed', false),
-       pg_backend_pid()
+       pg_backend_pid(),
+       (SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid())
+"""
+
+# A session given up because it did not answer (a stopped server process): end it on the
+# server, so that a statement it still holds can never commit a grant nobody receives.
+# Matched by start time too, so that a reused process id is never hit.
+END_ABANDONED = """
+SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+WHERE pid = %(pid)s AND backend_start = %(started)s
 """
 
 # Claim one schedule slot: the first host to insert (name, slot) starts the job; the

@@ -490,10 +490,11 @@ def test_try_acquire_on_an_unresponsive_server_returns_in_bounded_time(db, monke
         pytest.skip("the server is not on this host")
     done = threading.Event()
     outcome: list[object] = []
+    stuck = unique("stuck")
 
     def attempt():
         try:
-            outcome.append(Lock(unique("stuck")).try_acquire())
+            outcome.append(Lock(stuck, advisory=False).try_acquire())
         except BaseException as exc:  # LockError is a fine answer; silence is not
             outcome.append(exc)
         done.set()
@@ -515,3 +516,16 @@ def test_try_acquire_on_an_unresponsive_server_returns_in_bounded_time(db, monke
     lease = Lock(unique("after-stuck")).try_acquire()
     assert lease is not None and conn.backend_pid != backend
     lease.release()
+    # The given-up server process was ended from the new session, so the acquire it still
+    # held never granted a lock nobody receives (table path: it would block the name).
+    wait_until(
+        lambda: (
+            not db.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", [backend]).fetchone()
+        ),
+        30,
+        "the given-up server process still runs",
+    )
+    assert db.execute(f"SELECT 1 FROM {TABLE} WHERE name = %s", [stuck]).fetchone() is None
+    again = Lock(stuck, advisory=False).try_acquire()
+    assert again is not None
+    again.release()
