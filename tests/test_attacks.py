@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from django_pglock import Lock, LockError, protocol
+from django_pglock import Lock, LockError, protocol, sql
 from django_pglock.connection import get_connection
 from django_pglock.states import State
 from tests import faultkit
@@ -59,10 +59,13 @@ def log_event(path: Path, event: str, token: int, name: str) -> None:
         os.close(fd)
 
 
-def advisory_holds(db, backend_pid: int) -> int:
+def advisory_holds(db, backend_pid: int, name: str) -> int:
+    """Whether the server process holds the advisory key of ``name`` (0 or 1)."""
+    key = sql.advisory_key(name)
     (count,) = db.execute(
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND pid = %s",
-        [backend_pid],
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted AND pid = %s"
+        " AND objsubid = 1 AND classid = %s::oid AND objid = %s::oid",
+        [backend_pid, (key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF],
     ).fetchone()
     return int(count)
 
@@ -165,7 +168,7 @@ def test_an_interrupted_release_never_unlocks_the_next_leases_key(db, db2, procs
         contender.send("stop")
         contender.expect("DONE")
     log_event(log, "EXIT", second.token, name)
-    keys_now = advisory_holds(db, backend)
+    keys_now = advisory_holds(db, backend, name)
     second.release()
     assert_exclusive(grants(read_log(log)))
     assert line == "REFUSED", (
