@@ -160,7 +160,7 @@ class ReleaseMixin:
         session = self._generation if unlock else None
 
         def failed(rows: list[tuple[Any, ...]], alive: bool) -> None:
-            self._release_failures += 1
+            # (_finish_release counts the failure.)
             if rows:  # it ran after all (an interruption came before its answer was read)
                 self._settle(rows[0])
 
