@@ -199,10 +199,7 @@ class LockConnection(Protocol):
             try:
                 return self._run_or_retry(statement, values)
             except NoAnswer:
-                # A server that does not answer gets no cancel either: the session is
-                # ended on the server from the next session (sql.END_ABANDONED).
-                self._abandoned.append((self.backend_pid, self._backend_start))
-                ended = self._discard()
+                ended = self._abandon_session()  # no answer: no cancel either
                 _call(after_failure, [], False)
                 raise LockError(
                     f"A lock statement on database alias {self.alias!r} got no answer within "
@@ -293,7 +290,7 @@ class LockConnection(Protocol):
             return None
         try:
             return conn.fileno()
-        except psycopg.Error:
+        except psycopg.Error:  # pragma: no cover - only if another thread closes it just now
             return None
 
     def readable_while_idle(self) -> bool:
@@ -313,12 +310,21 @@ class LockConnection(Protocol):
                 return True
             except psycopg.Error:
                 ended = self._discard()
-        if ended is not None:
+        if ended is not None:  # pragma: no branch - _discard() of an open session: its generation
             _tell_session_ended(self, ended)
         return False
 
     def is_open(self) -> bool:
         return self._conn is not None and not self._conn.closed
+
+    def _abandon_session(self) -> int | None:
+        """Give up a session that may still run a statement of ours: it is ended on the
+        server from the next session (``sql.END_ABANDONED``), so that statement can never
+        commit a grant nobody receives, and rows nobody owns are swept then."""
+        if self.backend_pid is not None:
+            self._abandoned.append((self.backend_pid, self._backend_start))
+        self.orphans_possible = True
+        return self._discard()
 
     def _discard(self) -> int | None:
         """Close the session; return its generation if one was open (its keys are gone:

@@ -172,17 +172,21 @@ class Registry:
             os.write(self._wake_w, b"x")
 
     def _run(self) -> None:
-        while os.getpid() == self.pid:
+        while os.getpid() == self.pid:  # pragma: no branch - a forked child has no such thread
             try:
                 timeout = self._tick()
             except Exception:  # pragma: no cover - a bug must not kill the heartbeat
                 logger.exception("django_pglock: heartbeat iteration failed")
                 timeout = RETRY_INTERVAL
             self._next_wake = time.monotonic() + timeout
-            self._wait(timeout)
+            try:
+                self._wait(timeout)
+            except Exception:  # pragma: no cover - a bug must not kill the heartbeat
+                logger.exception("django_pglock: heartbeat wait failed")
+                time.sleep(RETRY_INTERVAL)
 
     def _run_watchdog(self) -> None:
-        while os.getpid() == self.pid:
+        while os.getpid() == self.pid:  # pragma: no branch - a forked child has no such thread
             self._watchdog_next = 0.0  # a lease added meanwhile wakes us again
             now = time.monotonic()
             wake_at = now + 1.0
@@ -296,7 +300,7 @@ class Registry:
                     conn.alias,
                 )
         try:
-            while os.read(self._wake_r, 512):
+            while os.read(self._wake_r, 512):  # pragma: no branch - its write end stays open
                 pass
         except (BlockingIOError, OSError):
             pass
@@ -314,8 +318,11 @@ def _hung_up(
     if hasattr(select, "epoll"):
         with select.epoll() as poller:
             poller.register(wake_fd, select.EPOLLIN)
-            for fd in conns:
-                poller.register(fd, select.EPOLLRDHUP)
+            for fd in list(conns):
+                try:
+                    poller.register(fd, select.EPOLLRDHUP)
+                except OSError:  # closed by another thread meanwhile: nothing to watch
+                    del conns[fd]
             events = poller.poll(timeout)
         return [conns[fd] for fd, _ in events if fd in conns]
     with selectors.DefaultSelector() as selector:  # pragma: no cover - not Linux

@@ -73,7 +73,7 @@ class Protocol:
     _preparing: tuple[bytes, tuple[int, ...], bytes] | None
     _encoding: str
 
-    def _discard(self) -> int | None:  # pragma: no cover - defined by LockConnection
+    def _abandon_session(self) -> int | None:  # pragma: no cover - defined by LockConnection
         raise NotImplementedError
 
     def _abort_in_flight(self) -> tuple[list[tuple[Any, ...]], int | None]:
@@ -81,8 +81,10 @@ class Protocol:
         it returned, so the next statement finds the session idle. A session that cannot
         be drained in time is closed instead (returns its generation as ended)."""
         conn = self._conn
-        if conn is None or conn.closed or self._tx is None:
+        if conn is None or self._tx is None:
             return [], None
+        if conn.closed:  # psycopg gave it up itself (its own cancellation got no answer)
+            return [], self._abandon_session()
         pgconn = conn.pgconn
         preparing, self._preparing = self._preparing, None
         if pgconn.transaction_status != pq.TransactionStatus.ACTIVE:
@@ -107,7 +109,7 @@ class Protocol:
                         rows = self._tx.load_rows(0, result.ntuples, tuple)
             return rows, None
         except BaseException:
-            return [], self._discard()
+            return [], self._abandon_session()
 
     def _run(self, statement: bytes, values: list[Any]) -> list[tuple[Any, ...]]:
         """Send one statement on the open session and return its rows (caller holds the lock).
