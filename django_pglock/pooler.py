@@ -118,7 +118,7 @@ def _backend_pid(probe: psycopg.Connection[Any], deadline: float, alias: str) ->
     try:
         pgconn.send_query(_QUERY.encode())
         while pgconn.flush():
-            if not _wait(pgconn, deadline, write=True):
+            if not _wait(pgconn, deadline, write=True):  # pragma: no cover - fits in one write
                 return _late(alias)
         results: list[pq.abc.PGresult] = []
         while True:

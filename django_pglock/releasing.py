@@ -175,7 +175,7 @@ class ReleaseMixin:
         if present and not deleted:
             return False  # locked by a guarded transaction; retried once it ends
         with self._state_lock:
-            if self.state is State.RELEASED:
+            if self.state is State.RELEASED:  # pragma: no cover - the caller checked, same lock
                 return True
             if self._key_state is Key.HELD:
                 self._set_key(Key.NONE)

@@ -115,7 +115,7 @@ class GuardedJob:
                 self.exit_code = int(value)
             elif kind == "gone":
                 self.gone = True
-            elif kind == "expired":  # reports come in order: did it cut the leader short?
+            elif kind == "expired":  # pragma: no branch - no other kind; reports come in order
                 self.expired = self.exit_code is None
         return True
 

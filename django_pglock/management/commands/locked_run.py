@@ -288,7 +288,7 @@ class Command(BaseCommand):
             self.terminated = True
         deadline = lease.kill_deadline  # set before the loss shows
         now = time.monotonic()
-        if deadline is None:
+        if deadline is None:  # pragma: no cover - Lease._advance sets it before a loss shows
             deadline = now  # not known: assume the worst
         kill_after = grace
         if deadline - now < grace:
