@@ -259,7 +259,7 @@ class Registry:
         try:
             with conn.lock:  # no grant is between its statement and its lease meanwhile
                 conn.orphans_possible = False
-                tokens = unreleased_tokens(conn.alias)
+                tokens = unreleased_tokens()
                 params = {"holder": current().holder, "tokens": tokens}
                 rows = conn.execute(sql.SWEEP_ORPHANS, params)
                 keys = {lease._key for lease in self.leases(conn.alias)}

@@ -43,9 +43,10 @@ logger = logging.getLogger("django_pglock")
 _unreleased: weakref.WeakValueDictionary[int, Lease] = weakref.WeakValueDictionary()
 
 
-def unreleased_tokens(alias: str) -> list[int]:
-    """Tokens of this process's leases on ``alias`` whose rows it may still own."""
-    return [lease.token for lease in list(_unreleased.values()) if lease.using == alias]
+def unreleased_tokens() -> list[int]:
+    """Tokens of this process's leases whose rows it may still own, on every alias: two
+    aliases may name one database (a token of another database only spares a row)."""
+    return [lease.token for lease in list(_unreleased.values())]
 
 
 #: Which lease each thread holds by name, so that the same thread acquiring a name it

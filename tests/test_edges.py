@@ -1222,12 +1222,6 @@ def test_a_grant_psycopg_drained_after_an_interruption_is_swept(db, caplog, edge
     lease.release()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: sql.SWEEP_ORPHANS deletes every row of this process's holder id whose token "
-    "no lease on the swept alias owns: a lease held through another alias of the same "
-    "database (one direct, one through a pooler, say) loses its row",
-)
 def test_a_sweep_on_one_alias_spares_leases_held_through_another_of_the_same_database(
     db, edge_alias
 ):
