@@ -11,8 +11,8 @@ Races are made deterministic by holding the lock the other thread needs and wait
 that thread is seen (in its stack) blocked on it; nothing here waits a fixed time.
 
 Some reproduce bugs these paths showed, since fixed: a session given up after an
-interruption is ended on the server, and the heartbeat thread survives a lock socket
-closed while it gathers them.
+interruption is ended on the server, the heartbeat thread survives a lock socket closed
+while it gathers them, and the orphan sweep spares leases held through another alias.
 """
 
 from __future__ import annotations
