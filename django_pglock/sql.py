@@ -367,7 +367,9 @@ ORDER BY acquired_at DESC, name
 # connection that carries all heartbeats is never stuck behind someone else's lock; plan
 # each prepared statement once (its plan does not depend on the values); pin the
 # isolation level the statements are written for (a role or database default of
-# repeatable read would turn refusals into serialization errors); and make every commit
+# repeatable read would turn refusals into serialization errors, and an
+# idle_session_timeout would end the session, and its advisory keys, between heartbeats);
+# and make every commit
 # durable: a grant, a heartbeat the holder counts its deadline from, and a release the
 # caller was told about must all survive a server crash. The server's own
 # synchronous_commit is kept (with a synchronous standby, commits wait for it too),
@@ -381,7 +383,8 @@ SELECT set_config('synchronous_commit',
        set_config('plan_cache_mode', 'force_generic_plan', false),
        set_config('default_transaction_isolation', 'read committed', false),
        pg_backend_pid(),
-       (SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid())
+       (SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()),
+       set_config('idle_session_timeout', '0', false)
 """
 
 # A session given up because it did not answer (a stopped server process): end it on the

@@ -593,11 +593,13 @@ def test_a_server_or_role_without_synchronous_commit_still_commits_locally(db):
 
     db.execute("SET synchronous_commit = off")
     db.execute("SET default_transaction_isolation = 'serializable'")
+    db.execute("SET idle_session_timeout = '1s'")
     params = {"statement_timeout": "30s", "lock_timeout": "5s"}
     row = db.execute(sql.SESSION_SETUP, params).fetchone()
     assert row[0] == "local"
     assert db.execute("SHOW synchronous_commit").fetchone()[0] == "local"
     assert db.execute("SHOW default_transaction_isolation").fetchone()[0] == "read committed"
+    assert db.execute("SHOW idle_session_timeout").fetchone()[0] == "0"
     db.execute("RESET synchronous_commit")
     db.execute("RESET default_transaction_isolation")
 
