@@ -378,12 +378,9 @@ def test_lost_row_kills_the_job_at_once_whatever_the_grace(procs, tmp_path, db, 
     assert "terminating the command" in result.stderr
 
 
-def test_missed_deadline_kills_the_job_before_a_contender_can_reclaim(procs, tmp_path, db, watch):
-    """The lock's server session hangs: the holder concludes loss at its deadline and the
-    job (ignoring SIGTERM, --kill-grace 60) is SIGKILLed before ``stale_after`` lets the
-    waiting contender reclaim; the contender's job checks the first's processes at its start."""
-    name = unique("deadline")
-    pids, probe = tmp_path / "pids", tmp_path / "probe.json"
+def stubborn_tree(procs, name, pids):
+    """locked_run (kill grace 60) of a job tree whose every process ignores SIGTERM;
+    returns the runner and the job's pids once they are all written."""
     runner = locked_run(
         procs,
         name,
@@ -394,7 +391,16 @@ def test_missed_deadline_kills_the_job_before_a_contender_can_reclaim(procs, tmp
         options=(*SMALL, "--kill-grace", "60"),
     )
     wait_for_file(pids, procs=[runner])
-    tree = read_pids(pids)
+    return runner, read_pids(pids)
+
+
+def test_missed_deadline_kills_the_job_before_a_contender_can_reclaim(procs, tmp_path, db, watch):
+    """The lock's server session hangs: the holder concludes loss at its deadline and the
+    job (ignoring SIGTERM, --kill-grace 60) is SIGKILLed before ``stale_after`` lets the
+    waiting contender reclaim; the contender's job checks the first's processes at its start."""
+    name = unique("deadline")
+    pids, probe = tmp_path / "pids", tmp_path / "probe.json"
+    runner, tree = stubborn_tree(procs, name, pids)
     token, backend = row_of(db, name)
     seen = watch(name, pids)
     with stopped_backend(db, backend):
@@ -470,17 +476,7 @@ def test_a_stopped_locked_run_cannot_let_its_job_outlive_the_lease(procs, tmp_pa
     (ignoring SIGTERM, --kill-grace 60) before that."""
     name = unique("hung")
     pids, probe = tmp_path / "pids", tmp_path / "probe.json"
-    runner = locked_run(
-        procs,
-        name,
-        "tree",
-        "--pids",
-        pids,
-        "--all-ignore-term",
-        options=(*SMALL, "--kill-grace", "60"),
-    )
-    wait_for_file(pids, procs=[runner])
-    tree = read_pids(pids)
+    runner, tree = stubborn_tree(procs, name, pids)
     token, _ = row_of(db, name)
     seen = watch(name, pids)
     try:
