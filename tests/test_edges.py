@@ -763,12 +763,12 @@ def test_prepared_statements_that_vanish_mean_a_pooler(caplog, private_conn):
     assert len(conn.execute(sql.NOW, {})) == 1  # prepared on the session
     # What a transaction-mode pooler does behind the client's back: the next statement
     # runs on a server connection where nothing of this session is prepared.
-    conn._conn.execute("DEALLOCATE ALL")
+    conn._conn.execute("DEALLOCATE ALL", prepare=False)
     with caplog.at_level(logging.WARNING, logger="django_pglock"):
         assert len(conn.execute(sql.NOW, {})) == 1  # run again, unprepared
     assert conn.pooled
     assert "its prepared statements came and went" in caplog.text
-    conn._conn.execute("DEALLOCATE ALL")
+    conn._conn.execute("DEALLOCATE ALL", prepare=False)
     assert len(conn.execute(sql.NOW, {})) == 1  # never prepared again
 
 
@@ -1208,14 +1208,15 @@ def interrupt_a_grant(db, alias, name, raising):
 
 
 def test_a_grant_psycopg_drained_after_an_interruption_is_swept(db, caplog, edge_alias):
-    """A SystemExit lands once the server granted: psycopg drains the answer itself, so the
-    grant never reaches the caller; the heartbeat thread's sweep releases row and key."""
+    """A SystemExit lands once the server granted. psycopg 3.3 drains the answer itself,
+    so the grant never reaches the caller and the heartbeat thread's sweep releases row and
+    key; psycopg 3.2 leaves the drain to the lock connection, which sees the grant and
+    hands it to the heartbeat thread to release. Either way nothing stays held."""
     name = unique("swept")
     alias = edge_alias()
     with caplog.at_level(logging.WARNING, logger="django_pglock"):
         backend = interrupt_a_grant(db, alias, name, SystemExit)
         wait_until(lambda: row_of(db, name) is None, message="the orphaned grant was kept")
-        wait_until(lambda: f"released lock {name!r}" in caplog.text)  # logged just after
     wait_until(lambda: advisory_holds(db, backend) == 0, message="its advisory key was kept")
     lease = Lock(name, using=alias).try_acquire()
     assert lease is not None
