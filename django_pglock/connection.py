@@ -321,7 +321,7 @@ class LockConnection(Protocol):
         """Give up a session that may still run a statement of ours: it is ended on the
         server from the next session (``sql.END_ABANDONED``), so that statement can never
         commit a grant nobody receives, and rows nobody owns are swept then."""
-        if self.backend_pid is not None:
+        if self.backend_pid is not None:  # pragma: no branch - the current session's, known
             self._abandoned.append((self.backend_pid, self._backend_start))
         self.orphans_possible = True
         return self._discard()

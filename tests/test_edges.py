@@ -544,6 +544,30 @@ def test_an_interruption_psycopg_gives_up_on_leaves_a_closed_session(db, monkeyp
     lease.release()
 
 
+def test_an_interruption_whose_handler_closed_the_lock_connection_leaves_it_closed(db, edge_alias):
+    """The signal handler that interrupts a statement closes the lock connection itself
+    (as a shutdown handler may) before it raises: nothing is left to cancel or drain, and
+    the acquire's stray-key cleanup has no session to run on."""
+    alias = edge_alias()  # a session of its own, where nothing is prepared yet: what the
+    conn = get_connection(alias)  # stopped server process gets is the acquire's prepare
+    conn.ensure_open()
+    backend = conn.backend_pid
+    name = unique("handler-closed")
+    main = threading.main_thread()
+    with stopped(backend):
+        with (
+            interrupt_main(lambda: in_psycopg_wait(main), before=conn.close),
+            pytest.raises(JobTimeout),
+        ):
+            Lock(name, using=alias).try_acquire()
+        assert not conn.is_open()
+    wait_until(lambda: process_state(backend) is None, message="the server process lives on")
+    assert row_of(db, name) is None
+    lease = Lock(name, using=alias).try_acquire()
+    assert lease is not None and conn.backend_pid != backend
+    lease.release()
+
+
 @pytest.mark.parametrize("raising", [JobTimeout, SystemExit], ids=["drain-gives-up", "psycopg"])
 def test_an_acquire_given_up_on_a_stopped_server_grants_nothing_when_it_resumes(
     db, monkeypatch, edge_alias, raising
