@@ -337,6 +337,14 @@ def edge_alias():
 
     yield make
     for alias in made:
+        conn = connection_module._registry.get(alias)
+        if conn is not None:
+            # A sweep after an interruption (it may reopen the session) is over first.
+            if conn.orphans_possible:
+                registry().sweep_soon(alias)
+            wait_until(lambda conn=conn: not conn.orphans_possible, message="no sweep")
+            with conn.lock:
+                pass
         with registry()._lock:
             registry()._leases.pop(alias, None)
         conn = connection_module._registry.pop(alias, None)
@@ -1175,6 +1183,7 @@ def test_a_lease_released_while_the_heartbeat_looks_at_it_is_left_alone(db, capl
     thread = heartbeat_thread()
     with caplog.at_level(logging.WARNING, logger="django_pglock"):
         with lease._state_lock:
+            registry().wake()  # a tick now, whatever it planned
             # The heartbeat thread looks at the lease (and waits for it) in its tick...
             wait_until(
                 lambda: [f.f_code.co_name for f in frames(thread)[:2]] == ["_watch", "_tick"],
@@ -1408,6 +1417,7 @@ def test_a_lock_connection_closed_while_the_heartbeat_gathers_its_sockets_keeps_
     threading.excepthook = excepthook
     try:
         with lease._state_lock:
+            registry().wake()  # a tick now, whatever it planned
             # The heartbeat thread is in its tick, past taking the list of aliases...
             wait_until(
                 lambda: [f.f_code.co_name for f in frames(thread)[:2]] == ["_watch", "_tick"]
@@ -2000,6 +2010,15 @@ def test_the_guardian_ignores_orders_it_cannot_read(tmp_path):
         job.kill()
         job.wait_gone()
     assert job.gone and job.exit_code == -signal.SIGKILL and not job.guardian_failed
+
+
+def test_a_job_being_killed_is_sent_no_other_signal(tmp_path):
+    job, marker = started_job(tmp_path)
+    # Both orders in one write: the guardian reads them together, the kill first.
+    job._order(f"kill\nsignal {int(signal.SIGUSR1)} -1.0")
+    job.wait_gone()
+    assert job.exit_code == -signal.SIGKILL and not job.guardian_failed
+    assert not marker.exists()  # no SIGUSR1 reached it
 
 
 # Much memory, all of it touched: a SIGKILLed process takes a while to be gone.
