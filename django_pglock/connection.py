@@ -306,7 +306,7 @@ class LockConnection(Protocol):
             if self._conn is None or self._conn.closed:
                 return False
             try:
-                self._conn.execute("SELECT 1")
+                self._conn.execute("SELECT 1", prepare=False)
                 return True
             except psycopg.Error:
                 ended = self._discard()
