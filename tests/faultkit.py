@@ -60,20 +60,35 @@ SMALL = ("--heartbeat-interval", HB, "--alert-after", ALERT, "--stale-after", ST
 # -- required binaries -----------------------------------------------------------------
 
 
+def require(met: bool, message: str) -> None:
+    """Go on if ``met``; else skip (outside CI only) or fail saying what is missing."""
+    if met:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(message + "; CI sets CI, so this is an error, not a skip", pytrace=False)
+    pytest.skip(message)
+
+
 def require_binary(binary: str, package: str) -> str:
     """Path of ``binary``; skip (outside CI only) or fail with the fix when it is missing."""
     # pgbouncer lives in /usr/sbin, which is not on a non-root user's PATH on Debian.
     path = shutil.which(binary) or shutil.which(binary, path="/usr/sbin:/sbin")
-    if path:
-        return path
-    message = (
+    require(
+        path is not None,
         f"{binary!r} is not installed; install it with `apt-get install -y {package}` "
-        f"(.ci/run must do this)"
+        f"(.ci/run must do this)",
     )
-    if os.environ.get("CI"):
-        pytest.fail(message + "; CI sets CI, so this is an error, not a skip", pytrace=False)
-    pytest.skip(message)
-    raise AssertionError("unreachable")  # pragma: no cover
+    assert path is not None
+    return path
+
+
+def require_local_backend(pid: int) -> None:
+    """The test stops or signals server process ``pid``: it must run on this host."""
+    try:
+        local = b"postgres" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        local = False
+    require(local, "the server is not on this host: its processes cannot be stopped")
 
 
 # -- free ports, watchers --------------------------------------------------------------

@@ -24,7 +24,7 @@ from django_pglock import Lock, LockError, protocol, sql
 from django_pglock.connection import get_connection
 from django_pglock.states import State
 from tests import faultkit
-from tests.faultkit import assert_exclusive, grants, read_log
+from tests.faultkit import assert_exclusive, grants, read_log, require_local_backend
 from tests.subprocs import open_db, wait_for_file, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("clean_locks")]
@@ -489,8 +489,7 @@ def test_try_acquire_on_an_unresponsive_server_returns_in_bounded_time(db, monke
     conn = get_connection("default")
     conn.ensure_open()
     backend = conn.backend_pid
-    if b"postgres" not in Path(f"/proc/{backend}/cmdline").read_bytes():
-        pytest.skip("the server is not on this host")
+    require_local_backend(backend)
     done = threading.Event()
     outcome: list[object] = []
     stuck = unique("stuck")

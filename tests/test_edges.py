@@ -72,6 +72,7 @@ from django_pglock.options import Option
 from django_pglock.schedule import ScheduleSlot
 from django_pglock.states import Key, State
 from django_pglock.supervisor import GuardedJob
+from tests.faultkit import require, require_local_backend
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("clean_locks")]
 
@@ -177,15 +178,6 @@ def process_state(pid):
         return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0].decode()
     except OSError:
         return None
-
-
-def require_local_backend(pid):
-    try:
-        local = b"postgres" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        local = False
-    if not local:
-        pytest.skip("the server is not on this host: its processes cannot be stopped")
 
 
 @contextlib.contextmanager
@@ -2068,8 +2060,10 @@ def test_a_guardian_whose_locked_run_is_gone_before_it_starts_starts_no_job(tmp_
 
 
 def test_a_group_of_another_user_counts_as_alive(child_env):
-    if os.geteuid() != 0 or not Path("/usr/bin/setpriv").exists():
-        pytest.skip("needs root and setpriv to run a process that may not signal another user")
+    require(
+        os.geteuid() == 0 and Path("/usr/bin/setpriv").exists(),
+        "needs root and setpriv to run a process that may not signal another user",
+    )
     member = subprocess.Popen(["sleep", "120"], user=65534, start_new_session=True)
     try:
         code = "import sys; from django_pglock.guardian import group_alive; "
@@ -2126,8 +2120,10 @@ print(group_alive(int(sys.argv[1])), flush=True)
     ids=["unreadable-entries", "unlistable"],
 )
 def test_a_group_is_trusted_to_kill_when_proc_tells_nothing(child_env, setup, sees):
-    if os.geteuid() != 0 or not Path("/usr/bin/unshare").exists():
-        pytest.skip("needs root and unshare to give a process a /proc of its own")
+    require(
+        os.geteuid() == 0 and Path("/usr/bin/unshare").exists(),
+        "needs root and unshare to give a process a /proc of its own",
+    )
     member = subprocess.Popen(["sleep", "120"], start_new_session=True)
     try:
         # In a mount namespace of its own, so that only that process sees this /proc.
