@@ -1,0 +1,22 @@
+"""Every statement the lock engine sends, named and parameterised.
+
+All statements run on the dedicated autocommit connection (see :mod:`.connection`),
+except :data:`GUARD`, which runs inside the caller's own transaction. Time is always
+the database's ``now()``; values are always parameters. Row locks are chosen so that
+a guard (``FOR KEY SHARE``) lets heartbeats (``FOR NO KEY UPDATE``) through while it
+holds off reclaims (``FOR UPDATE``) and deletes.
+
+The statements live in :mod:`.acquire`, :mod:`.holder` (the holder's own) and
+:mod:`.operator` (status, forced release, run history, pruning, schedules); this package
+exports them all.
+"""
+
+from __future__ import annotations
+
+from .acquire import *  # noqa: F403
+from .holder import *  # noqa: F403
+from .names import SEQUENCE as SEQUENCE
+from .names import TABLE as TABLE
+from .names import advisory_key as advisory_key
+from .names import quote_name as quote_name
+from .operator import *  # noqa: F403

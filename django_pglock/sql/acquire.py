@@ -1,0 +1,113 @@
+"""Acquire: one atomic statement per attempt, with or without a run record."""
+
+from __future__ import annotations
+
+from .names import RUNS as _RUNS
+from .names import SEQUENCE
+from .names import TABLE_SQL as _T
+
+__all__ = ["ACQUIRE", "ACQUIRE_RECORDED"]
+
+# Reclaimable: no heartbeat for the row's own stale_after by the database clock; or the
+# holder declared the advisory path and its key was free for us to take (`key`, below):
+# a holder always holds its key while its session lives, so a free key means that
+# session has ended. A key held by anyone else only ever costs speed.
+_RECLAIMABLE = """(
+    now() - {j}.last_heartbeat > {j}.stale_after * interval '1 second'
+    OR ({j}.advisory AND (SELECT held FROM key))
+)"""
+
+# Does this session hold the key already? Advisory locks nest, so a session's own try
+# would succeed again: the key is tried only when it does not. Only a row carrying this
+# session's backend pid can be this session's own (another thread of this process holds
+# the name), or an ended session's that had the same server process (a session-mode
+# pooler hands the backend to the next client after DISCARD ALL); only then is pg_locks,
+# which is not cheap, looked at.
+_MINE = """CASE WHEN %(advisory)s AND EXISTS (SELECT 1 FROM cur WHERE cur.here) THEN EXISTS (
+        SELECT 1 FROM pg_locks l
+        WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted
+          AND l.objsubid = 1 AND l.classid = ((%(key)s::bigint >> 32) & 4294967295)::oid
+          AND l.objid = (%(key)s::bigint & 4294967295)::oid)
+    ELSE false END"""
+
+
+# Acquire in one statement. `cur` reads the current row from the snapshot (no lock);
+# `key` tries the advisory key (session-level) once, unless this session holds it
+# already (`prior`: then a live lease of this process owns the row). A free name is
+# inserted with ON CONFLICT DO NOTHING (`fresh`): a holder who got there first wins, and the refusal
+# neither locks the winner's row nor writes anything. A reclaimable row is first locked
+# FOR UPDATE SKIP LOCKED (`grab`: a guarded row is skipped, never waited for), and only
+# looked for when the snapshot row looked reclaimable (a one-time gate, so a refusal by a
+# live holder reads the row once, from the snapshot); then it is taken over by an UPDATE
+# .. WHERE <reclaimable> (`taken`), re-checked on the latest row version. A refused
+# attempt gives the key back in the same statement: every outcome is one round trip.
+# A refusal writes nothing, so its commit does not wait for the WAL (see SESSION_SETUP).
+_COLUMNS = """name, token, holder, host, pid, backend_pid, description, acquired_at,
+        last_heartbeat, heartbeat_interval, alert_after, stale_after, advisory"""
+_VALUES = f"""%(name)s, nextval('{SEQUENCE}'), %(holder)s, %(host)s, %(pid)s, pg_backend_pid(),
+           %(description)s, now(),
+           now(), %(heartbeat_interval)s, %(alert_after)s, %(stale_after)s, key.held"""
+_TAKE_OVER = f"""token = nextval('{SEQUENCE}'), holder = %(holder)s, host = %(host)s,
+        pid = %(pid)s, backend_pid = pg_backend_pid(), description = %(description)s,
+        acquired_at = now(),
+        last_heartbeat = now(), heartbeat_interval = %(heartbeat_interval)s,
+        alert_after = %(alert_after)s, stale_after = %(stale_after)s, advisory = key.held"""
+_GRANTED = "j.token, j.acquired_at, j.advisory, j.backend_pid"
+# The one-time gate of the reclaim: did the snapshot row look reclaimable? In both the
+# locking scan and the update, so that neither even looks at the row when it did not.
+_GATE = "(SELECT c.stale OR (c.advisory AND k.held) FROM cur c, key k)"
+
+
+def _acquire(record: bool) -> str:
+    run = _RUN_STARTED if record else ""
+    run_id = "(SELECT id FROM run)" if record else "NULL::bigint"
+    return f"""
+WITH cur AS (
+    SELECT c.token, c.holder, c.host, c.pid, c.acquired_at, c.description,
+           extract(epoch FROM now() - c.last_heartbeat)::float8 AS age, c.alert_after,
+           now() - c.last_heartbeat > c.stale_after * interval '1 second' AS stale,
+           c.advisory AND c.backend_pid = pg_backend_pid() AS here, c.advisory
+    FROM {_T} c WHERE c.name = %(name)s
+), prior AS MATERIALIZED (
+    SELECT {_MINE} AS mine
+), key AS MATERIALIZED (
+    SELECT CASE WHEN %(advisory)s AND NOT prior.mine THEN pg_try_advisory_lock(%(key)s)
+                ELSE false END AS held
+    FROM prior
+), fresh AS (
+    INSERT INTO {_T} AS j ({_COLUMNS})
+    SELECT {_VALUES} FROM key WHERE NOT EXISTS (SELECT 1 FROM cur)
+    ON CONFLICT (name) DO NOTHING
+    RETURNING {_GRANTED}
+), taken AS (
+    UPDATE {_T} AS j SET {_TAKE_OVER}
+    FROM key, (
+        SELECT g.name FROM {_T} g
+        WHERE {_GATE} AND g.name = %(name)s AND {_RECLAIMABLE.format(j="g")}
+        FOR UPDATE SKIP LOCKED
+    ) AS grab
+    WHERE {_GATE} AND j.name = %(name)s AND j.name = grab.name
+      AND {_RECLAIMABLE.format(j="j")}
+    RETURNING {_GRANTED}
+), ins AS (
+    SELECT * FROM fresh UNION ALL SELECT * FROM taken
+){run}
+SELECT ins.token, ins.acquired_at, ins.advisory, ins.backend_pid,
+       cur.token, cur.holder, cur.host, cur.pid, cur.acquired_at, cur.description,
+       cur.age, cur.alert_after, cur.stale,
+       CASE WHEN ins.token IS NULL AND key.held THEN pg_advisory_unlock(%(key)s) END,
+       {run_id}
+FROM key LEFT JOIN ins ON true LEFT JOIN cur ON true
+"""
+
+
+# With run history: the grant also starts a JobRun row, in the same statement.
+_RUN_STARTED = f""", run AS (
+    INSERT INTO {_RUNS} (name, token, holder, host, pid, description, started_at, outcome)
+    SELECT %(name)s, ins.token, %(holder)s, %(host)s, %(pid)s, %(description)s, now(), 'running'
+    FROM ins
+    RETURNING id
+)"""
+
+ACQUIRE = _acquire(record=False)
+ACQUIRE_RECORDED = _acquire(record=True)

@@ -1,0 +1,108 @@
+"""What operators and the run history use: status, forced release, holder, skipped and
+lost runs, pruning and schedule slots."""
+
+from __future__ import annotations
+
+from .names import RUNS as _RUNS
+from .names import TABLE_SQL as _T
+from .names import quote_name
+
+__all__ = [
+    "CLAIM_SLOT",
+    "FINISH_LOST_RUN",
+    "FORCE_RELEASE",
+    "HEARTBEAT_AGE_EXPRESSION",
+    "HOLDER",
+    "NOW",
+    "PRUNE_CLAIMS",
+    "PRUNE_RUNS",
+    "RECORD_SKIPPED",
+    "STATE_EXPRESSION",
+    "STATUS",
+]
+
+# A skipped run of a recorded job: one finished row.
+RECORD_SKIPPED = f"""
+INSERT INTO {_RUNS} (name, holder, host, pid, description, started_at, finished_at, duration,
+                     outcome)
+VALUES (%(name)s, %(holder)s, %(host)s, %(pid)s, %(description)s, now(), now(), 0, 'skipped')
+"""
+
+# Pruning: run history and schedule claims older than the cutoff (database clock).
+PRUNE_RUNS = f"""
+DELETE FROM {_RUNS} r
+WHERE coalesce(r.finished_at, r.started_at) < now() - %(age)s * interval '1 second'
+  AND NOT (r.finished_at IS NULL
+           AND EXISTS (SELECT 1 FROM {_T} j WHERE j.name = r.name AND j.token = r.token))
+RETURNING 1
+"""
+
+# The run of a holder that lost its grant to a takeover or a forced release (it may be
+# dead and never finish its own run): finished, as lost.
+FINISH_LOST_RUN = f"""
+UPDATE {_RUNS} SET finished_at = now(), outcome = 'lost',
+    duration = extract(epoch FROM now() - started_at)::float8
+WHERE name = %(name)s AND token = %(token)s AND finished_at IS NULL
+"""
+PRUNE_CLAIMS = f"""
+DELETE FROM {quote_name("django_pglock_scheduleclaim")}
+WHERE claimed_at < now() - %(age)s * interval '1 second'
+RETURNING 1
+"""
+
+# Who holds a name now (after a refusal whose snapshot predates the holder's commit).
+HOLDER = f"""
+SELECT token, holder, host, pid, acquired_at, description,
+       extract(epoch FROM now() - last_heartbeat)::float8, alert_after
+FROM {_T} WHERE name = %(name)s
+"""
+
+# Forced release: delete the row, optionally only if it still carries the given token.
+# Waits for any guarded transaction, so fenced writes commit before the row goes.
+FORCE_RELEASE = f"""
+WITH released AS (
+    DELETE FROM {_T}
+    WHERE name = %(name)s AND (%(token)s::bigint IS NULL OR token = %(token)s::bigint)
+    RETURNING name, token, holder, host, pid, acquired_at
+), run AS (
+    UPDATE {_RUNS} r SET finished_at = now(), outcome = 'lost',
+        duration = extract(epoch FROM now() - r.started_at)::float8
+    FROM released WHERE r.name = released.name AND r.token = released.token
+      AND r.finished_at IS NULL
+)
+SELECT name, token, holder, host, pid, acquired_at FROM released
+"""
+
+# A lock's state, judged by the database clock against the row's own thresholds; shared
+# by STATUS (pglock_status) and the admin's annotations.
+STATE_EXPRESSION = """CASE
+    WHEN now() - last_heartbeat > stale_after * interval '1 second' THEN 'stale'
+    WHEN now() - last_heartbeat > alert_after * interval '1 second' THEN 'alert'
+    ELSE 'ok' END"""
+HEARTBEAT_AGE_EXPRESSION = "extract(epoch FROM now() - last_heartbeat)::float8"
+
+# Status of every lock.
+STATUS = f"""
+SELECT name, token, holder, host, pid, acquired_at, last_heartbeat,
+       {HEARTBEAT_AGE_EXPRESSION} AS heartbeat_age,
+       heartbeat_interval, alert_after, stale_after, advisory, description,
+       {STATE_EXPRESSION} AS state
+FROM {_T}
+ORDER BY acquired_at DESC, name
+"""
+
+# Claim one schedule slot: the first host to insert (name, slot) starts the job; the
+# unique constraint decides. Claims of that job older than a week are pruned on the way.
+CLAIM_SLOT = f"""
+WITH pruned AS (
+    DELETE FROM {quote_name("django_pglock_scheduleclaim")}
+    WHERE name = %(name)s AND slot < %(slot)s - interval '7 days'
+)
+INSERT INTO {quote_name("django_pglock_scheduleclaim")} (name, slot, holder, claimed_at)
+VALUES (%(name)s, %(slot)s, %(holder)s, now())
+ON CONFLICT (name, slot) DO NOTHING
+RETURNING id
+"""
+
+# The database clock, for computing schedule slots.
+NOW = "SELECT now()"
