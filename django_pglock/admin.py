@@ -14,7 +14,7 @@ from django.utils.html import format_html
 
 from . import sql
 from .models import JobLock, JobRun
-from .operations import force_release
+from .operations import abandoned_grants, force_release
 
 if TYPE_CHECKING:  # ModelAdmin is generic for type checkers only
     JobLockAdminBase = admin.ModelAdmin[JobLock]
@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # ModelAdmin is generic for type checkers only
 else:
     JobLockAdminBase = JobRunAdminBase = admin.ModelAdmin
 
-STATE_COLOURS = {"ok": "#2e7d32", "alert": "#e65100", "stale": "#c62828"}
+STATE_COLOURS = {"ok": "#2e7d32", "alert": "#e65100", "stale": "#c62828", "abandoned": "#616161"}
 OUTCOME_COLOURS = {
     "succeeded": "#2e7d32",
     "running": "#1565c0",
@@ -47,7 +47,12 @@ class StateFilter(admin.SimpleListFilter):
     parameter_name = "state"
 
     def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("ok", "ok"), ("alert", "alert"), ("stale", "stale")]
+        return [
+            ("ok", "ok"),
+            ("alert", "alert"),
+            ("stale", "stale"),
+            ("abandoned", "abandoned (holder gone)"),
+        ]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         if self.value():
@@ -74,13 +79,10 @@ class JobLockAdmin(JobLockAdminBase):
     actions = ["force_release"]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[JobLock]:
-        return (
-            super()
-            .get_queryset(request)
-            .annotate(
-                state=RawSQL(sql.STATE_EXPRESSION, ()),
-                heartbeat_age=RawSQL(sql.HEARTBEAT_AGE_EXPRESSION, ()),
-            )
+        queryset = super().get_queryset(request)
+        return queryset.annotate(
+            state=RawSQL(sql.STATE_EXPRESSION, abandoned_grants(queryset.db)),
+            heartbeat_age=RawSQL(sql.HEARTBEAT_AGE_EXPRESSION, ()),
         )
 
     def has_add_permission(self, request: HttpRequest) -> bool:

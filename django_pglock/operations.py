@@ -19,7 +19,7 @@ from .connection import validate_alias
 from .events import call_metrics, configured_metrics, send
 from .lock import validate_name
 
-__all__ = ["LockStatus", "force_release", "lock_status"]
+__all__ = ["LockStatus", "abandoned_grants", "force_release", "lock_status"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class LockStatus:
     stale_after: float
     advisory: bool
     description: str
-    state: str  # "ok", "alert" or "stale"
+    state: str  # "ok", "alert", "stale" or "abandoned"
 
     def as_dict(self) -> dict[str, Any]:
         data = dict(self.__dict__)
@@ -48,15 +48,46 @@ class LockStatus:
         return data
 
 
+def abandoned_grants(using: str) -> tuple[list[str], list[int]]:
+    """The grants whose holder is gone: names and tokens, for ``sql.STATE_EXPRESSION``.
+
+    A row on the advisory path whose key nobody holds belongs to a session that has
+    ended: the next contender takes the name at once. Runs of such grants are closed as
+    ``lost`` on the way (nobody can finish them any more).
+    """
+    with connections[using].cursor() as cursor:
+        cursor.execute(sql.ADVISORY_ROWS)
+        candidates = cursor.fetchall()
+        if not candidates:
+            return [], []
+        names = [name for name, _token in candidates]
+        cursor.execute(
+            sql.ABANDONED,
+            {
+                "names": names,
+                "tokens": [token for _name, token in candidates],
+                "keys": [sql.advisory_key(name) for name in names],
+            },
+        )
+        gone = cursor.fetchall()
+    return [name for name, _token in gone], [token for _name, token in gone]
+
+
 def lock_status(using: str | None = None) -> list[LockStatus]:
-    """Every held lock with its heartbeat age and state, judged by the database clock."""
+    """Every held lock with its heartbeat age and state, judged by the database clock.
+
+    ``state`` is ``ok``, ``alert`` (no heartbeat for ``alert_after``), ``stale`` (none
+    for ``stale_after``: the next contender reclaims it) or ``abandoned`` (the holder's
+    session has ended: the next contender takes it at once; nothing to alert about).
+    """
     alias = validate_alias(using if using is not None else get_setting("DATABASE"))
+    abandoned = abandoned_grants(alias)
     with connections[alias].cursor() as cursor:
-        cursor.execute(sql.STATUS)
+        cursor.execute(sql.STATUS, abandoned)
         rows = [LockStatus(*row) for row in cursor.fetchall()]
     hooks = (configured_metrics(),)
     for row in rows:
-        if row.state != "ok":  # whoever meets a lock in alert raises the alert
+        if row.state in ("alert", "stale"):  # whoever meets a lock in alert raises it
             holder = {"holder": row.holder, "host": row.host, "pid": row.pid, "token": row.token}
             send(
                 signals.lock_alert,

@@ -77,6 +77,18 @@ def open_db(pg_url, dbname):
     return psycopg.connect(pg_url, dbname=dbname, autocommit=True)
 
 
+def key_free(conn, name):
+    """Would the next contender get the advisory key of lock ``name`` now? (``conn``: an
+    autocommit session on the test database, which is left holding nothing.)"""
+    from django_pglock.sql import advisory_key
+
+    key = advisory_key(name)
+    (got,) = conn.execute("SELECT pg_try_advisory_lock(%s)", [key]).fetchone()
+    if got:
+        conn.execute("SELECT pg_advisory_unlock(%s)", [key])
+    return got
+
+
 class Received:
     """Records the keyword arguments of every sending of a signal."""
 

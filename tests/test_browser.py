@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ from django.contrib.auth.models import User
 
 from django_pglock import Lock, LockNotHeld
 from django_pglock.models import JobLock
-from tests.subprocs import open_db
+from tests.subprocs import key_free, open_db, wait_until
 
 CHROMIUM = shutil.which("chromium")
 CHROMIUM_ARGS = [
@@ -61,6 +62,16 @@ NEIGHBOURS = {
     "training:42": ("advance_pipeline(tenant_id=42)", None),
     "sync-invoices": ("manage.py sync_invoices", 4000.0),  # stale
 }
+# A neighbour whose holder was killed (SIGKILL): its session ended, so it is abandoned.
+ABANDONED = "export:7"
+HOLD_AND_DIE = """
+import os, signal, sys
+import django
+django.setup()
+from django_pglock import Lock
+assert Lock(sys.argv[1], description="manage.py export --tenant 7").try_acquire()
+os.kill(os.getpid(), signal.SIGKILL)
+"""
 
 
 @contextlib.contextmanager
@@ -125,6 +136,8 @@ def force_release_in_the_browser(browser, base_url, pg_url, test_db_name, shots)
         state = "ok" if age is None else "stale"
         neighbour = page.locator("#result_list tbody tr", has_text=name)
         expect(neighbour.locator("td.field-state_badge")).to_have_text(state)
+    gone = page.locator("#result_list tbody tr", has_text=ABANDONED)
+    expect(gone.locator("td.field-state_badge")).to_have_text("abandoned")
     # The admin's stylesheet came through the live server's static files handler.
     background = page.evaluate(
         "getComputedStyle(document.querySelector('#header')).backgroundColor"
@@ -152,13 +165,17 @@ def force_release_in_the_browser(browser, base_url, pg_url, test_db_name, shots)
     )
     expect(page.locator("ul.messagelist li.success")).to_contain_text(str(lease.token))
     expect(page.locator("#result_list tbody tr", has_text=VICTIM)).to_have_count(0)
-    expect(page.locator("#result_list tbody tr")).to_have_count(len(NEIGHBOURS))
+    expect(page.locator("#result_list tbody tr")).to_have_count(len(NEIGHBOURS) + 1)
+    # The state filter offers the abandoned grants alone.
+    page.click("#changelist-filter a:has-text('abandoned')")
+    expect(page.locator("#result_list tbody tr")).to_have_count(1)
+    expect(page.locator("#result_list tbody tr")).to_contain_text(ABANDONED)
     page.close()
     return lease
 
 
 def test_force_release_a_lock_in_alert_from_the_holders_page(
-    live_server, pg_url, test_db_name, tmp_path
+    live_server, pg_url, test_db_name, tmp_path, procs
 ):
     User.objects.create_superuser("ops", "ops@example.com", "ops-password-not-secret")
     neighbours = [
@@ -166,6 +183,10 @@ def test_force_release_a_lock_in_alert_from_the_holders_page(
         for name, (description, _age) in NEIGHBOURS.items()
     ]
     assert all(neighbours)
+    died = procs.finish(procs.python(HOLD_AND_DIE, ABANDONED))
+    assert died.returncode == -signal.SIGKILL, died.stderr
+    with open_db(pg_url, test_db_name) as conn:
+        wait_until(lambda: key_free(conn, ABANDONED), 30, "the killed holder's session to end")
     # The browser starts only after the ORM work above, and has ended before the ORM is
     # used again (see the module docstring).
     with chromium() as browser:
@@ -174,7 +195,7 @@ def test_force_release_a_lock_in_alert_from_the_holders_page(
     assert (shots / "admin-holders.png").stat().st_size > 10_000
 
     assert not JobLock.objects.filter(pk=VICTIM).exists()
-    assert set(JobLock.objects.values_list("name", flat=True)) == set(NEIGHBOURS)
+    assert set(JobLock.objects.values_list("name", flat=True)) == {*NEIGHBOURS, ABANDONED}
     assert VICTIM in LogEntry.objects.get().change_message
     with pytest.raises(LockNotHeld):
         lease.check()

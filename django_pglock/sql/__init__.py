@@ -6,9 +6,9 @@ the database's ``now()``; values are always parameters. Row locks are chosen so 
 a guard (``FOR KEY SHARE``) lets heartbeats (``FOR NO KEY UPDATE``) through while it
 holds off reclaims (``FOR UPDATE``) and deletes.
 
-The statements live in :mod:`.acquire`, :mod:`.holder` (the holder's own) and
-:mod:`.operator` (status, forced release, run history, pruning, schedules); this package
-exports them all.
+The statements live in :mod:`.acquire`, :mod:`.holder` (the holder's own),
+:mod:`.operator` (forced release, run history, pruning, schedules) and :mod:`.status`
+(state and abandoned grants); this package exports them all.
 """
 
 from __future__ import annotations
@@ -20,3 +20,4 @@ from .names import TABLE as TABLE
 from .names import advisory_key as advisory_key
 from .names import quote_name as quote_name
 from .operator import *  # noqa: F403
+from .status import *  # noqa: F403

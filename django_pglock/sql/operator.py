@@ -1,5 +1,5 @@
-"""What operators and the run history use: status, forced release, holder, skipped and
-lost runs, pruning and schedule slots."""
+"""What operators and the run history use: forced release, holder, skipped and lost runs,
+pruning and schedule slots."""
 
 from __future__ import annotations
 
@@ -11,14 +11,11 @@ __all__ = [
     "CLAIM_SLOT",
     "FINISH_LOST_RUN",
     "FORCE_RELEASE",
-    "HEARTBEAT_AGE_EXPRESSION",
     "HOLDER",
     "NOW",
     "PRUNE_CLAIMS",
     "PRUNE_RUNS",
     "RECORD_SKIPPED",
-    "STATE_EXPRESSION",
-    "STATUS",
 ]
 
 # A skipped run of a recorded job: one finished row.
@@ -71,24 +68,6 @@ WITH released AS (
       AND r.finished_at IS NULL
 )
 SELECT name, token, holder, host, pid, acquired_at FROM released
-"""
-
-# A lock's state, judged by the database clock against the row's own thresholds; shared
-# by STATUS (pglock_status) and the admin's annotations.
-STATE_EXPRESSION = """CASE
-    WHEN now() - last_heartbeat > stale_after * interval '1 second' THEN 'stale'
-    WHEN now() - last_heartbeat > alert_after * interval '1 second' THEN 'alert'
-    ELSE 'ok' END"""
-HEARTBEAT_AGE_EXPRESSION = "extract(epoch FROM now() - last_heartbeat)::float8"
-
-# Status of every lock.
-STATUS = f"""
-SELECT name, token, holder, host, pid, acquired_at, last_heartbeat,
-       {HEARTBEAT_AGE_EXPRESSION} AS heartbeat_age,
-       heartbeat_interval, alert_after, stale_after, advisory, description,
-       {STATE_EXPRESSION} AS state
-FROM {_T}
-ORDER BY acquired_at DESC, name
 """
 
 # Claim one schedule slot: the first host to insert (name, slot) starts the job; the

@@ -14,7 +14,8 @@ from django_pglock.operations import lock_status
 class Command(BaseCommand):
     help = (
         "List held locks with holder, heartbeat age (by the database clock) and state "
-        "(ok / alert / stale, judged by each row's own thresholds)."
+        "(ok / alert / stale, judged by each row's own thresholds; abandoned when the "
+        "holder's session has ended and the next contender takes the lock at once)."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -22,7 +23,8 @@ class Command(BaseCommand):
         parser.add_argument(
             "--check",
             action="store_true",
-            help="Exit with status 1 when any lock is in alert or stale (for monitors).",
+            help="Exit with status 1 when any lock is in alert or stale (for monitors); "
+            "an abandoned lock (holder gone) does not fail the check.",
         )
         parser.add_argument("--database", default=None, help="Database alias (default: setting).")
 
@@ -54,7 +56,12 @@ class Command(BaseCommand):
                 self.stdout.write(
                     "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
                 )
-        unhealthy = [row for row in rows if row.state != "ok"]
+            if any(row.state == "abandoned" for row in rows):
+                self.stdout.write(
+                    "ABANDONED: the holder's session has ended (its process died or lost the "
+                    "lock); the next contender takes the lock at once. Nothing to do."
+                )
+        unhealthy = [row for row in rows if row.state in ("alert", "stale")]
         if options["check"] and unhealthy:
             names = ", ".join(f"{row.name!r} ({row.state})" for row in unhealthy)
             raise CommandError(f"{len(unhealthy)} lock(s) need attention: {names}.", returncode=1)
