@@ -8,7 +8,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
-from django.db import connections
+from django.db import DatabaseError, connections
 from django.utils.module_loading import import_string
 
 from .conf import (
@@ -20,6 +20,7 @@ from .conf import (
     setting_label,
     validate_thresholds,
 )
+from .identity import redact
 
 __all__ = ["check_database", "check_settings"]
 
@@ -159,7 +160,7 @@ def check_database(
     databases: Iterable[str] | None = None,
     **kwargs: Any,
 ) -> list[CheckMessage]:
-    """With ``--database``: the lock table exists on the configured alias."""
+    """With ``--database``: the lock database can be reached and has the lock table."""
     if not databases:
         return []
     alias = getattr(settings, SETTING_NAME, {}).get("DATABASE", DEFAULTS["DATABASE"])
@@ -168,8 +169,18 @@ def check_database(
     connection = connections[alias]
     if connection.vendor != "postgresql":
         return []
-    with connection.cursor() as cursor:
-        tables = connection.introspection.table_names(cursor)
+    try:
+        with connection.cursor() as cursor:
+            tables = connection.introspection.table_names(cursor)
+    except DatabaseError as exc:
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return [
+            Error(
+                f"Cannot connect to the lock database alias {alias!r}: {redact(cause)}",
+                hint=f"Check DATABASES[{alias!r}] and that the server is up.",
+                id="django_pglock.E012",
+            )
+        ]
     if "django_pglock_joblock" not in tables:
         # A warning, not an error: `migrate` runs database checks too, and must be able
         # to create the table.

@@ -27,12 +27,23 @@ from django_pglock.conf import get_setting
 from django_pglock.exceptions import LockNotHeld
 from django_pglock.identity import redact
 from django_pglock.lock import Lease, Lock
+from django_pglock.management.cli import database_option, reports_database_errors
 from django_pglock.schedule import ScheduleSlot
 from django_pglock.supervisor import GuardedJob, JobNotStarted
 
 EXIT_USAGE = 2
 EXIT_LOST = 75  # EX_TEMPFAIL: the lease was lost and the child was terminated
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _holder_text(holder: dict[str, Any] | None) -> str:
+    """Who holds the lock, with the grant's token and what runs under it."""
+    if not holder:
+        return "another process"
+    text = f"{holder['holder']} (token {holder['token']}"
+    if holder.get("description"):
+        text += f", running {redact(str(holder['description']))!r}"
+    return text + ")"
 
 
 def _seconds(text: str) -> float:
@@ -111,6 +122,7 @@ class Command(BaseCommand):
             "judged by the database clock. Needs the [schedule] extra (croniter).",
         )
 
+    @reports_database_errors
     def handle(self, *args: Any, **options: Any) -> None:
         argv = list(options["argv"])
         if argv and argv[0] == "--":
@@ -121,9 +133,17 @@ class Command(BaseCommand):
                 "locked_run --shell -- <program> [args…].",
                 returncode=EXIT_USAGE,
             )
+        if options["timeout"] is not None and not options["wait"]:
+            raise CommandError(
+                f"--timeout {options['timeout']:g} needs --wait: without --wait, locked_run "
+                "makes one attempt and skips at once when the lock is held. Add --wait, or "
+                "drop --timeout.",
+                returncode=EXIT_USAGE,
+            )
         child_argv, default_name = self._child_argv(argv, options["shell"])
+        alias = database_option(options["database"])
         lock_options = {
-            "using": options["database"],
+            "using": alias,
             "heartbeat_interval": options["heartbeat_interval"],
             "alert_after": options["alert_after"],
             "stale_after": options["stale_after"],
@@ -135,7 +155,7 @@ class Command(BaseCommand):
             name = options["name"] or default_name
             slot = None
             if options["schedule"]:
-                slot = ScheduleSlot(options["schedule"], name, using=options["database"])
+                slot = ScheduleSlot(options["schedule"], name, using=alias)
             lock = Lock(name, record=record, **lock_options)
             lock._thresholds()  # settings and arguments together must be in order
             acquisition = lock.acquire(blocking=options["wait"], timeout=options["timeout"])
@@ -147,12 +167,19 @@ class Command(BaseCommand):
         shown = redact(" ".join(argv))
         self.terminated = False
         code = options["skip_exit_code"]
+        started = time.monotonic()
         try:
             with acquisition as lease:
                 if lease is None:
-                    holder = acquisition.holder
-                    who = holder["holder"] if holder else "another process"
-                    self.stderr.write(f"Skipped {shown!r}: lock {name!r} is held by {who}.")
+                    who = _holder_text(acquisition.holder)
+                    if options["wait"]:
+                        waited = time.monotonic() - started
+                        self.stderr.write(
+                            f"Gave up on {shown!r} after waiting {waited:.1f} s (--timeout "
+                            f"{options['timeout']:g}): lock {name!r} is still held by {who}."
+                        )
+                    else:
+                        self.stderr.write(f"Skipped {shown!r}: lock {name!r} is held by {who}.")
                     if record:
                         lock._record_skipped()
                 elif slot is not None and not slot.claim():

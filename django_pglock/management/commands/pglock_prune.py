@@ -5,12 +5,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_pglock import sql
-from django_pglock.conf import get_setting
-from django_pglock.connection import get_connection, validate_alias
+from django_pglock.connection import get_connection
+from django_pglock.management.cli import database_option, reports_database_errors
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -34,12 +33,10 @@ class Command(BaseCommand):
         parser.add_argument("--older-than", required=True, help="Age such as 30d, 12h or 90m.")
         parser.add_argument("--database", default=None, help="Database alias (default: setting).")
 
+    @reports_database_errors
     def handle(self, *args: Any, **options: Any) -> None:
         age = parse_age(options["older_than"])
-        try:
-            alias = validate_alias(options["database"] or get_setting("DATABASE"))
-        except ImproperlyConfigured as exc:
-            raise CommandError(str(exc), returncode=2) from None
+        alias = database_option(options["database"])
         conn = get_connection(alias)
         runs = conn.execute(sql.PRUNE_RUNS, {"age": age})
         claims = conn.execute(sql.PRUNE_CLAIMS, {"age": age})

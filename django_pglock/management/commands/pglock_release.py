@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from django_pglock.management.cli import database_option, reports_database_errors
 from django_pglock.operations import force_release
 
 
@@ -21,11 +21,13 @@ class Command(BaseCommand):
         parser.add_argument("--token", type=int, default=None, help="Release only this grant.")
         parser.add_argument("--database", default=None, help="Database alias (default: setting).")
 
+    @reports_database_errors
     def handle(self, *args: Any, **options: Any) -> None:
         name, token = options["name"], options["token"]
+        alias = database_option(options["database"])
         try:
-            released = force_release(name, token=token, using=options["database"])
-        except (ValueError, ImproperlyConfigured) as exc:
+            released = force_release(name, token=token, using=alias)
+        except ValueError as exc:
             raise CommandError(str(exc), returncode=2) from None
         if released is None:
             which = f" with token {token}" if token is not None else ""

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from django_pglock.management.cli import database_option, reports_database_errors
 from django_pglock.operations import lock_status
 
 
@@ -28,11 +28,9 @@ class Command(BaseCommand):
         )
         parser.add_argument("--database", default=None, help="Database alias (default: setting).")
 
+    @reports_database_errors
     def handle(self, *args: Any, **options: Any) -> None:
-        try:
-            rows = lock_status(using=options["database"])
-        except ImproperlyConfigured as exc:
-            raise CommandError(str(exc), returncode=2) from None
+        rows = lock_status(using=database_option(options["database"]))
         if options["json"]:
             self.stdout.write(json.dumps([row.as_dict() for row in rows], indent=2))
         elif not rows:
