@@ -99,9 +99,10 @@ class Command(BaseCommand):
             "--kill-grace",
             type=_seconds,
             default=10.0,
-            help="Seconds between SIGTERM and SIGKILL when stopping the job's process group "
-            "(cut short on lease loss, so that the job is dead before another instance "
-            "may take the lock).",
+            help="Seconds between SIGTERM and SIGKILL whenever the job's process group is "
+            "stopped: on SIGTERM/SIGINT/SIGHUP to locked_run, for leftovers of a child that "
+            "exited, and on lease loss (there cut short, so that the job is dead before "
+            "another instance may take the lock).",
         )
         parser.add_argument("--database", default=None, help="Database alias for the lock.")
         parser.add_argument(
