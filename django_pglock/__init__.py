@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from .decorators import singleton_job
-from .exceptions import LockError, LockNotAcquired, LockNotHeld
+from .exceptions import DatabaseUnavailable, LockError, LockNotAcquired, LockNotHeld
 from .lock import Lease, Lock
 
 __all__ = [
+    "DatabaseUnavailable",
     "Lease",
     "Lock",
     "LockError",

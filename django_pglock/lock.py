@@ -26,7 +26,7 @@ from .conf import (
 )
 from .connection import get_connection, validate_alias
 from .events import call_metrics, configured_metrics, send
-from .exceptions import LockNotAcquired
+from .exceptions import DatabaseUnavailable, LockNotAcquired
 from .identity import current, default_description, redact
 from .lease import Lease, held_by_this_thread
 from .options import Option, Resolved, validate_name
@@ -241,7 +241,11 @@ class Lock(AttemptMixin):
         if mine is not None and waiter.blocking:
             raise self._held_here(mine)
         while True:
-            lease = self._attempt_once(waiter, sync=True)
+            try:
+                lease = self._attempt_once(waiter, sync=True)
+            except DatabaseUnavailable as exc:
+                time.sleep(waiter.unavailable(exc))
+                continue
             if lease is not None:
                 return lease
             delay = waiter.next_delay()
@@ -256,6 +260,7 @@ class Lock(AttemptMixin):
         async shell's worker thread), so that thread holding the name already is an error.
         """
         lease, waiter.holder = self._attempt(first=waiter.attempts == 0, sync=sync)
+        waiter.answered()
         waiter.attempts += 1
         if lease is not None:
             self._granted(lease, waiter.started, sync=sync)
