@@ -10,6 +10,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
 from .conf import check_seconds, get_setting
+from .context import running_under
+from .exceptions import LockNotHeld
+from .inherit import offered, parent_grant
 from .lock import Lock, validate_name
 from .schedule import ScheduleSlot
 
@@ -120,11 +123,11 @@ class _SingletonJob:
             if lock.record:
                 lock._record_skipped()
 
-        def first_in_slot(lock: Lock, args: tuple[Any, ...]) -> bool:
+        def first_in_slot(lock: Lock, args: tuple[Any, ...], parent: str | None = None) -> bool:
             if self.schedule is None:
                 return True
             slot = ScheduleSlot(self.schedule, lock.name, using=lock.using)
-            if slot.claim():
+            if slot.claim(parent):
                 return True
             report(args, f"schedule slot {slot.slot_label} of {lock.name!r} already started")
             return False
@@ -134,6 +137,13 @@ class _SingletonJob:
             @functools.wraps(func)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
                 lock = lock_for(args, kwargs)
+                if offered(lock.name):  # locked_run's job: maybe under its grant
+                    inherited = await asyncio.to_thread(parent_grant, lock)
+                    if inherited is not None:
+                        if not await asyncio.to_thread(first_in_slot, lock, args, inherited.holder):
+                            return None
+                        with running_under(inherited):
+                            return await func(*args, **kwargs)
                 acquisition = lock.acquire_async(self.blocking, self.timeout)
                 async with acquisition as lease:
                     if lease is None:
@@ -142,13 +152,19 @@ class _SingletonJob:
                         return None
                     if not await asyncio.to_thread(first_in_slot, lock, args):
                         return None
-                    return await func(*args, **kwargs)
+                    with running_under(lease):
+                        return await func(*args, **kwargs)
 
             return async_wrapper  # type: ignore[return-value]
 
-        @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
             lock = lock_for(args, kwargs)
+            inherited = parent_grant(lock) if offered(lock.name) else None
+            if inherited is not None:  # locked_run's job, under its grant
+                if not first_in_slot(lock, args, inherited.holder):
+                    return None
+                with running_under(inherited):
+                    return func(*args, **kwargs)
             acquisition = lock.acquire(self.blocking, self.timeout)
             with acquisition as lease:
                 if lease is None:
@@ -156,7 +172,19 @@ class _SingletonJob:
                     return None
                 if not first_in_slot(lock, args):
                     return None
-                return func(*args, **kwargs)
+                with running_under(lease):
+                    return func(*args, **kwargs)
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return run(*args, **kwargs)
+            except LockNotHeld as exc:
+                if args and _is_command(args[0]):
+                    from .exits import end_command  # Django's management, only if needed
+
+                    end_command(exc)  # one line on stderr, exit status 75
+                raise
 
         return wrapper  # type: ignore[return-value]
 
@@ -208,6 +236,12 @@ def singleton_job(
     false. Other keyword arguments (``using``,
     thresholds, ``poll_interval``, ``advisory``, ``metrics``, ``description``) go to
     :class:`~django_pglock.Lock`. Works on ``async def`` functions too.
+
+    While the body runs, :func:`~django_pglock.current_lease` returns its lease. Run as
+    the job of ``locked_run`` holding the same name, the body runs under the parent's
+    grant instead of skipping (see :mod:`django_pglock.inherit`). A lease lost while
+    the body ran raises :class:`~django_pglock.LockNotHeld` when the call returns; a
+    management command then ends with one line on stderr and exit status 75.
     """
     if callable(name) and not isinstance(name, str):
         return _SingletonJob(None, key, blocking, timeout, schedule, record, lock_options)(name)

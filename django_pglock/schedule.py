@@ -60,15 +60,21 @@ class ScheduleSlot:
         start: datetime.datetime = next(_cronsim().CronSim(self.expression, local, reverse=True))
         return start
 
-    def claim(self) -> bool:
-        """Record the start of the current slot; ``True`` only for the first caller."""
+    def claim(self, parent: str | None = None) -> bool:
+        """Record the start of the current slot; ``True`` only for the first caller.
+
+        ``parent``: the holder whose grant this run inherited (see :mod:`.inherit`); a
+        slot that holder claimed already counts as claimed by this run.
+        """
         alias = validate_alias(self.using if self.using is not None else get_setting("DATABASE"))
         # On the dedicated autocommit connection: a claim never joins the caller's
         # transaction, so it is visible to other hosts at once.
         conn = get_connection(alias)
         ((now,),) = conn.execute(sql.NOW, {})
         self.slot = self.current_slot(now)
-        rows = conn.execute(
-            sql.CLAIM_SLOT, {"name": self.name, "slot": self.slot, "holder": current().holder}
-        )
+        params = {"name": self.name, "slot": self.slot, "holder": current().holder}
+        if parent is None:
+            rows = conn.execute(sql.CLAIM_SLOT, params)
+        else:
+            rows = conn.execute(sql.CLAIM_SLOT_UNDER, {**params, "parent": parent})
         return bool(rows)

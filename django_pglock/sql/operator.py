@@ -9,6 +9,7 @@ from .names import quote_name
 
 __all__ = [
     "CLAIM_SLOT",
+    "CLAIM_SLOT_UNDER",
     "FINISH_LOST_RUN",
     "FORCE_RELEASE",
     "HOLDER",
@@ -80,6 +81,20 @@ WITH pruned AS (
 INSERT INTO {quote_name("django_pglock_scheduleclaim")} (name, slot, holder, claimed_at)
 VALUES (%(name)s, %(slot)s, %(holder)s, now())
 ON CONFLICT (name, slot) DO NOTHING
+RETURNING id
+"""
+
+# The same claim for a job running under its parent's grant (locked_run --schedule may have
+# claimed the slot already): a slot the parent's holder claimed counts as this run's. The
+# no-op update returns the parent's row in the same statement; anyone else's claim wins.
+CLAIM_SLOT_UNDER = f"""
+WITH pruned AS (
+    DELETE FROM {quote_name("django_pglock_scheduleclaim")}
+    WHERE name = %(name)s AND slot < %(slot)s - interval '7 days'
+)
+INSERT INTO {quote_name("django_pglock_scheduleclaim")} AS c (name, slot, holder, claimed_at)
+VALUES (%(name)s, %(slot)s, %(holder)s, now())
+ON CONFLICT (name, slot) DO UPDATE SET holder = c.holder WHERE c.holder = %(parent)s
 RETURNING id
 """
 
