@@ -13,10 +13,12 @@ from django.utils.module_loading import import_string
 
 from .conf import (
     DEFAULTS,
+    MAX_SCHEDULE_TOLERANCE,
     MAX_SECONDS,
     SETTING_NAME,
     ThresholdsOutOfOrder,
     ThresholdsTooTight,
+    is_schedule_tolerance,
     setting_label,
     validate_thresholds,
 )
@@ -93,6 +95,17 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
                 f"{SETTING_NAME}['RECORD_RUNS'] = {values['RECORD_RUNS']!r} is not a bool.",
                 hint="Use True (keep a run history) or False.",
                 id="django_pglock.E010",
+            )
+        )
+    tolerance = values["SCHEDULE_TOLERANCE"]
+    if not is_schedule_tolerance(tolerance):
+        errors.append(
+            Error(
+                f"{SETTING_NAME}['SCHEDULE_TOLERANCE'] = {tolerance!r} is not a number of "
+                f"seconds from 0 to {MAX_SCHEDULE_TOLERANCE:g}.",
+                hint="Use a float such as 5.0: how far ahead of the database clock a host may "
+                "fire a cron tick and still start that tick's slot.",
+                id="django_pglock.E012",
             )
         )
     alias = values["DATABASE"]

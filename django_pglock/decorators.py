@@ -10,7 +10,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
 from .conf import check_seconds, get_setting
-from .lock import Lock, validate_name
+from .lock import Lease, Lock, validate_name
+from .runs import SkipReason, record_skipped
 from .schedule import ScheduleSlot
 
 __all__ = ["singleton_job"]
@@ -116,17 +117,18 @@ class _SingletonJob:
                 logger.info("django_pglock: skipped %s: %s.", func.__qualname__, why)
 
         def skipped(lock: Lock, args: tuple[Any, ...], holder: dict[str, Any] | None) -> None:
+            # Not granted: held elsewhere (one attempt), or held until the wait ran out.
             report(args, f"lock {lock.name!r} is held by {_describe(holder)}")
-            if lock.record:
-                lock._record_skipped()
+            record_skipped(lock, SkipReason.TIMED_OUT if self.blocking else SkipReason.HELD)
 
-        def first_in_slot(lock: Lock, args: tuple[Any, ...]) -> bool:
+        def first_in_slot(lock: Lock, lease: Lease, args: tuple[Any, ...]) -> bool:
             if self.schedule is None:
                 return True
             slot = ScheduleSlot(self.schedule, lock.name, using=lock.using)
             if slot.claim():
                 return True
             report(args, f"schedule slot {slot.slot_label} of {lock.name!r} already started")
+            record_skipped(lock, SkipReason.SLOT_TAKEN, lease)
             return False
 
         if inspect.iscoroutinefunction(func):
@@ -140,7 +142,7 @@ class _SingletonJob:
                         # Naming the holder and recording the skip may query: off the loop.
                         await asyncio.to_thread(lambda: skipped(lock, args, acquisition.holder))
                         return None
-                    if not await asyncio.to_thread(first_in_slot, lock, args):
+                    if not await asyncio.to_thread(first_in_slot, lock, lease, args):
                         return None
                     return await func(*args, **kwargs)
 
@@ -154,7 +156,7 @@ class _SingletonJob:
                 if lease is None:
                     skipped(lock, args, acquisition.holder)
                     return None
-                if not first_in_slot(lock, args):
+                if not first_in_slot(lock, lease, args):
                     return None
                 return func(*args, **kwargs)
 
@@ -202,10 +204,12 @@ def singleton_job(
     that finds the lock held is skipped: it returns ``None``, logs who holds the lock,
     and a management command writes one line to stderr and exits 0. ``blocking=True``
     waits instead (up to ``timeout`` seconds). ``schedule="0 3 * * *"`` also runs the
-    body at most once per cron slot (computed from the database clock; needs the
-    ``schedule`` extra), however many hosts fire it. Each run is recorded in the run
-    history (``JobRun``) unless ``record=False`` or ``DJANGO_PGLOCK['RECORD_RUNS']`` is
-    false. Other keyword arguments (``using``,
+    body at most once per cron slot (computed from the database clock in the active time
+    zone, to the nearest tick within ``SCHEDULE_TOLERANCE``; needs the ``schedule``
+    extra), however many hosts fire it. Each run is recorded in the run history
+    (``JobRun``) unless ``record=False`` or ``DJANGO_PGLOCK['RECORD_RUNS']`` is false; a
+    skipped call as ``skipped``, with the reason (``held``, ``slot-taken`` or
+    ``timed-out``). Other keyword arguments (``using``,
     thresholds, ``poll_interval``, ``advisory``, ``metrics``, ``description``) go to
     :class:`~django_pglock.Lock`. Works on ``async def`` functions too.
     """
