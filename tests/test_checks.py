@@ -138,9 +138,7 @@ def test_valid_metrics_path_passes():
         pytest.param({"SCHEDULE_TOLERANCE": 31}, ["django_pglock.E012"], id="E012-too-big"),
         pytest.param({"SCHEDULE_TOLERANCE": "5"}, ["django_pglock.E012"], id="E012-string"),
         pytest.param({"SCHEDULE_TOLERANCE": True}, ["django_pglock.E012"], id="E012-bool"),
-        pytest.param(
-            {"SCHEDULE_TOLERANCE": float("nan")}, ["django_pglock.E012"], id="E012-nan"
-        ),
+        pytest.param({"SCHEDULE_TOLERANCE": float("nan")}, ["django_pglock.E012"], id="E012-nan"),
         pytest.param(
             {"STALE": 1, "POLL_INTERVAL": -1, "ADVISORY": "no", "DATABASE": "sqlite"},
             [
