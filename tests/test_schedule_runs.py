@@ -338,7 +338,8 @@ def test_claims_half_a_second_before_and_after_a_tick_claim_one_slot(db):
     """
     for _attempt in range(5):
         name = unique("skew")
-        tick = db_now(db).replace(microsecond=0) + datetime.timedelta(seconds=3)
+        tick = timezone.localtime(db_now(db)).replace(microsecond=0)
+        tick += datetime.timedelta(seconds=3)
         expression = f"{tick.second} {tick.minute} {tick.hour} {tick.day} {tick.month} *"
         wait_for_db_clock(db, tick - datetime.timedelta(seconds=0.5))
         ahead = ScheduleSlot(expression, name)
