@@ -13,7 +13,8 @@ from .conf import check_seconds, get_setting
 from .context import running_under
 from .exceptions import LockNotHeld
 from .inherit import offered, parent_grant
-from .lock import Lock, validate_name
+from .lock import Lease, Lock, validate_name
+from .runs import SkipReason, record_skipped
 from .schedule import ScheduleSlot
 
 __all__ = ["singleton_job"]
@@ -119,17 +120,23 @@ class _SingletonJob:
                 logger.info("django_pglock: skipped %s: %s.", func.__qualname__, why)
 
         def skipped(lock: Lock, args: tuple[Any, ...], holder: dict[str, Any] | None) -> None:
+            # Not granted: held elsewhere (one attempt), or held until the wait ran out.
             report(args, f"lock {lock.name!r} is held by {_describe(holder)}")
-            if lock.record:
-                lock._record_skipped()
+            record_skipped(lock, SkipReason.TIMED_OUT if self.blocking else SkipReason.HELD)
 
-        def first_in_slot(lock: Lock, args: tuple[Any, ...], parent: str | None = None) -> bool:
+        def first_in_slot(
+            lock: Lock, lease: Lease | None, args: tuple[Any, ...], parent: str | None = None
+        ) -> bool:
+            """Claim the schedule slot (``parent``: a claim by that holder counts as ours).
+            Without a lease (under locked_run's grant) its run is locked_run's to record."""
             if self.schedule is None:
                 return True
             slot = ScheduleSlot(self.schedule, lock.name, using=lock.using)
             if slot.claim(parent):
                 return True
             report(args, f"schedule slot {slot.slot_label} of {lock.name!r} already started")
+            if lease is not None:
+                record_skipped(lock, SkipReason.SLOT_TAKEN, lease)
             return False
 
         if inspect.iscoroutinefunction(func):
@@ -140,7 +147,8 @@ class _SingletonJob:
                 if offered(lock.name):  # locked_run's job: maybe under its grant
                     inherited = await asyncio.to_thread(parent_grant, lock)
                     if inherited is not None:
-                        if not await asyncio.to_thread(first_in_slot, lock, args, inherited.holder):
+                        parent = inherited.holder
+                        if not await asyncio.to_thread(first_in_slot, lock, None, args, parent):
                             return None
                         with running_under(inherited):
                             return await func(*args, **kwargs)
@@ -150,7 +158,7 @@ class _SingletonJob:
                         # Naming the holder and recording the skip may query: off the loop.
                         await asyncio.to_thread(lambda: skipped(lock, args, acquisition.holder))
                         return None
-                    if not await asyncio.to_thread(first_in_slot, lock, args):
+                    if not await asyncio.to_thread(first_in_slot, lock, lease, args):
                         return None
                     with running_under(lease):
                         return await func(*args, **kwargs)
@@ -161,7 +169,7 @@ class _SingletonJob:
             lock = lock_for(args, kwargs)
             inherited = parent_grant(lock) if offered(lock.name) else None
             if inherited is not None:  # locked_run's job, under its grant
-                if not first_in_slot(lock, args, inherited.holder):
+                if not first_in_slot(lock, None, args, inherited.holder):
                     return None
                 with running_under(inherited):
                     return func(*args, **kwargs)
@@ -170,7 +178,7 @@ class _SingletonJob:
                 if lease is None:
                     skipped(lock, args, acquisition.holder)
                     return None
-                if not first_in_slot(lock, args):
+                if not first_in_slot(lock, lease, args):
                     return None
                 with running_under(lease):
                     return func(*args, **kwargs)
@@ -230,10 +238,12 @@ def singleton_job(
     that finds the lock held is skipped: it returns ``None``, logs who holds the lock,
     and a management command writes one line to stderr and exits 0. ``blocking=True``
     waits instead (up to ``timeout`` seconds). ``schedule="0 3 * * *"`` also runs the
-    body at most once per cron slot (computed from the database clock; needs the
-    ``schedule`` extra), however many hosts fire it. Each run is recorded in the run
-    history (``JobRun``) unless ``record=False`` or ``DJANGO_PGLOCK['RECORD_RUNS']`` is
-    false. Other keyword arguments (``using``,
+    body at most once per cron slot (computed from the database clock in the active time
+    zone, to the nearest tick within ``SCHEDULE_TOLERANCE``; needs the ``schedule``
+    extra), however many hosts fire it. Each run is recorded in the run history
+    (``JobRun``) unless ``record=False`` or ``DJANGO_PGLOCK['RECORD_RUNS']`` is false; a
+    skipped call as ``skipped``, with the reason (``held``, ``slot-taken`` or
+    ``timed-out``). Other keyword arguments (``using``,
     thresholds, ``poll_interval``, ``advisory``, ``metrics``, ``description``) go to
     :class:`~django_pglock.Lock`. Works on ``async def`` functions too.
 

@@ -113,7 +113,7 @@ def test_check_with_database_reports_an_unreachable_lock_database(child_env, pg_
     with Procs(env_with_url(child_env, url)) as procs:
         result = procs.run_django("check", "--database", "default")
     assert result.returncode == 1
-    assert "django_pglock.E012" in result.stderr and "'default'" in result.stderr
+    assert "django_pglock.E013" in result.stderr and "'default'" in result.stderr
     assert "Traceback" not in result.stderr
     assert PASSWORD not in result.stdout + result.stderr
 
