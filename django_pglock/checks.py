@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -19,6 +20,7 @@ from .conf import (
     ThresholdsOutOfOrder,
     ThresholdsTooTight,
     is_schedule_tolerance,
+    kind_of,
     setting_label,
     validate_thresholds,
 )
@@ -47,7 +49,7 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
     if not isinstance(configured, dict):
         return [
             Error(
-                f"{SETTING_NAME} is a {type(configured).__name__}, not a dict.",
+                f"{SETTING_NAME} is {kind_of(configured)}, not a dict.",
                 hint=f"Set {SETTING_NAME} = {{'STALE_AFTER': 600.0, ...}} or remove it.",
                 id="django_pglock.E001",
             )
@@ -168,6 +170,23 @@ def _looks_pooled(database: dict[str, Any]) -> bool:
     )
 
 
+def _migrating() -> bool:
+    """Whether these checks run inside ``migrate`` (Django runs them as it starts).
+
+    ``migrate`` creates the lock table, so "run migrate" (W002) would only be noise there.
+    Recognised by a ``migrate`` command object (Django's, or a subclass) calling us, so
+    ``manage.py migrate`` and ``call_command("migrate")`` both count.
+    """
+    from django.core.management.commands.migrate import Command as Migrate
+
+    frame = inspect.currentframe()
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), Migrate):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def check_database(
     app_configs: Sequence[Any] | None = None,
     databases: Iterable[str] | None = None,
@@ -194,7 +213,7 @@ def check_database(
                 id="django_pglock.E013",
             )
         ]
-    if "django_pglock_joblock" not in tables:
+    if "django_pglock_joblock" not in tables and not _migrating():
         # A warning, not an error: `migrate` runs database checks too, and must be able
         # to create the table.
         return [

@@ -19,6 +19,7 @@ __all__ = [
     "ThresholdsTooTight",
     "generation",
     "get_setting",
+    "kind_of",
     "schedule_tolerance",
     "validate_alias",
     "validate_thresholds",
@@ -78,6 +79,17 @@ def _reload(*, setting: str, **kwargs: Any) -> None:
 
 
 setting_changed.connect(_reload)
+
+
+def kind_of(value: object) -> str:
+    """The type of ``value`` for a message, with its article: "an int", "a bytes object"."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    if name in ("bytes", "bytearray", "memoryview"):
+        return f"a {name} object"
+    article = "an" if name[:1].lower() in "aeiou" and not name.startswith("UU") else "a"
+    return f"{article} {name}"
 
 
 def setting_label(key: str) -> str:

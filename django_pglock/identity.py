@@ -1,12 +1,13 @@
-"""Who this process is, as recorded on the rows it holds; and redaction of secrets."""
+"""Who this process is, as recorded on the rows it holds, and what it runs."""
 
 from __future__ import annotations
 
 import os
-import re
 import secrets
 import socket
 import sys
+
+from .redaction import redact, redact_argv
 
 __all__ = ["Identity", "current", "default_description", "redact"]
 
@@ -31,45 +32,17 @@ def current() -> Identity:
     return _identity
 
 
-_SECRET_PATTERNS = [
-    # scheme://user:password@host → scheme://user:***@host
-    (
-        re.compile(r"(?P<pre>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)[^@\s]*(?P<post>@)"),
-        r"\g<pre>***\g<post>",
-    ),
-    # --password=x, --token x, -p x are not guessed; long options with secret-ish names are.
-    (
-        re.compile(
-            r"(?P<pre>--?[\w-]*(?:password|passwd|secret|token|api[-_]?key|dsn)[\w-]*[= ])\S+",
-            re.IGNORECASE,
-        ),
-        r"\g<pre>***",
-    ),
-    # NAME_TOKEN=x, DB_PASSWORD=x, password=x inside conninfo strings
-    (
-        re.compile(
-            r"(?P<pre>\b[\w]*(?:password|passwd|secret|token|api_?key|dsn)[\w]*=)\S+",
-            re.IGNORECASE,
-        ),
-        r"\g<pre>***",
-    ),
-]
-
-
-def redact(text: str) -> str:
-    """Replace passwords, tokens and DSN credentials in ``text`` with ``***``."""
-    for pattern, replacement in _SECRET_PATTERNS:
-        text = pattern.sub(replacement, text)
-    return text
-
-
 _description: tuple[list[str], str] | None = None
 
 
 def default_description() -> str:
-    """The redacted command line of this process, used when a lock names no description."""
+    """The redacted command line of this process, used when a lock names no description.
+
+    Secrets are masked word by word (see :func:`.redaction.redact_argv`), non-UTF-8 bytes
+    are shown as ``\\xff``, and the text is cut to 2000 characters.
+    """
     global _description
     if _description is None or _description[0] != sys.argv:
         words = [os.path.basename(sys.argv[0]), *sys.argv[1:]] if sys.argv else []
-        _description = (list(sys.argv), redact(" ".join(words))[:2000])
+        _description = (list(sys.argv), redact_argv(words))
     return _description[1]

@@ -27,9 +27,9 @@ from .conf import (
 from .connection import validate_alias
 from .events import call_metrics, configured_metrics, send
 from .exceptions import DatabaseUnavailable, LockNotAcquired
-from .identity import default_description, redact
+from .identity import default_description
 from .lease import Lease, held_by_this_thread
-from .options import Option, Resolved, validate_name
+from .options import Option, Resolved, validate_description, validate_name
 from .waiting import Waiter
 
 __all__ = ["Lease", "Lock", "validate_name"]
@@ -73,8 +73,8 @@ class Lock(AttemptMixin):
             raise ValueError(f"advisory={advisory!r} must be True, False or None (from settings).")
         if using is not None and settings.configured:
             validate_alias(using)
-        if description is not None and not isinstance(description, str):
-            raise ValueError(f"description={description!r} must be a string.")
+        if description is not None:
+            description = validate_description(description)
         # Arguments as given; None means "from DJANGO_PGLOCK", resolved at each use.
         self._arguments: dict[str, Any] = {
             "database": using,
@@ -90,7 +90,7 @@ class Lock(AttemptMixin):
         self._cached_params: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self.metrics = metrics
         self.record = record
-        self.description = None if description is None else redact(description)
+        self.description = description
         if heartbeat_interval is not None and alert_after is not None and stale_after is not None:
             validate_thresholds(heartbeat_interval, alert_after, stale_after)
         elif settings.configured and (heartbeat_interval, alert_after, stale_after) != (None,) * 3:

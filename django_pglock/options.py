@@ -8,23 +8,32 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 from django.core.exceptions import ImproperlyConfigured
 
 from . import sql
-from .conf import check_seconds, generation
+from .conf import check_seconds, generation, kind_of
 from .connection import validate_alias
+from .redaction import describe
 
 if TYPE_CHECKING:
     from .lock import Lock
 
-__all__ = ["MAX_NAME_LENGTH", "Option", "Resolved", "validate_name"]
+__all__ = ["MAX_NAME_LENGTH", "Option", "Resolved", "validate_description", "validate_name"]
 
 MAX_NAME_LENGTH = 255
 
 
 def validate_name(name: object) -> str:
-    """Return ``name`` if it can name a lock, else raise ``ValueError`` saying why."""
+    """Return ``name`` if it can name a lock, else raise ``ValueError`` saying why.
+
+    A name is a non-empty string of at most 255 characters, storable as UTF-8 (no NUL,
+    no lone surrogate), neither blank nor with leading or trailing whitespace.
+    """
     if not isinstance(name, str):
-        raise ValueError(f"Lock name {name!r} is a {type(name).__name__}; pass a string.")
+        raise ValueError(f"Lock name {name!r} is {kind_of(name)}; pass a string.")
     if not name:
         raise ValueError("Lock name '' is empty; pass a non-empty string such as 'nightly-report'.")
+    if not name.strip():
+        raise ValueError(
+            f"Lock name {name!r} is blank (only whitespace); pass a name such as 'nightly-report'."
+        )
     if len(name) > MAX_NAME_LENGTH:
         raise ValueError(
             f"Lock name {name[:40]!r}... is {len(name)} characters long; "
@@ -39,7 +48,39 @@ def validate_name(name: object) -> str:
             f"Lock name {name!r} cannot be stored as UTF-8 (it holds a lone surrogate); "
             "pass a name made of valid text."
         ) from None
+    if name != name.strip():
+        raise ValueError(
+            f"Lock name {name!r} has leading or trailing whitespace; pass {name.strip()!r}."
+        )
     return name
+
+
+def validate_description(description: object) -> str:
+    """``description`` as stored: redacted, cut to ``MAX_DESCRIPTION_LENGTH`` (2000) characters.
+
+    Raises ``ValueError`` for anything but a string and for what PostgreSQL text cannot
+    hold (NUL, a lone surrogate); the message quotes the description redacted.
+    """
+    text = description if isinstance(description, str) else repr(description)
+    quoted = repr(describe(text)) if isinstance(description, str) else describe(text)
+    if len(quoted) > 80:
+        quoted = quoted[:80] + "..."
+    if not isinstance(description, str):
+        raise ValueError(f"description={quoted} must be a string, not {kind_of(description)}.")
+    if "\x00" in description:
+        raise ValueError(
+            f"description={quoted} contains a NUL character, which PostgreSQL text cannot "
+            "hold; remove it."
+        )
+    try:
+        description.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(
+            f"description={quoted} cannot be stored as UTF-8 (it holds a lone surrogate); "
+            "pass valid text (django_pglock.redaction.displayable() shows undecodable bytes "
+            "as \\xff)."
+        ) from None
+    return describe(description)
 
 
 T = TypeVar("T")

@@ -28,6 +28,7 @@ from django.test import override_settings
 from django_pglock import Lock, LockError, LockNotAcquired, singleton_job
 from django_pglock import connection as lock_connection
 from django_pglock.identity import redact
+from django_pglock.operations import force_release
 
 LOCK_TABLE = "django_pglock_joblock"
 TOKEN_SEQUENCE = "django_pglock_token_seq"
@@ -92,9 +93,14 @@ NAME_CASES = [
     pytest.param("", r"pass a non-empty string", None, id="empty"),
     pytest.param("n" * 256, r"256 characters long; the limit is 255", repr("n" * 40), id="256"),
     pytest.param("a\x00b", r"contains a NUL character; remove it", None, id="nul"),
-    pytest.param(42, r"is a int; pass a string", None, id="int"),
-    pytest.param(None, r"pass a string", None, id="none"),
-    pytest.param(b"nightly", r"is a bytes; pass a string", None, id="bytes"),
+    pytest.param(42, r"is an int; pass a string", None, id="int"),
+    pytest.param(None, r"is None; pass a string", None, id="none"),
+    pytest.param(b"nightly", r"is a bytes object; pass a string", None, id="bytes"),
+    pytest.param(uuid.UUID(int=1), r"is a UUID; pass a string", None, id="uuid"),
+    pytest.param(" ", r"is blank \(only whitespace\); pass a name such as", None, id="blank"),
+    pytest.param("\t\n ", r"is blank", None, id="blank-tab-newline"),
+    pytest.param(" nightly", r"leading or trailing whitespace; pass 'nightly'", None, id="lead"),
+    pytest.param("nightly\n", r"leading or trailing whitespace; pass 'nightly'", None, id="trail"),
 ]
 
 
@@ -103,6 +109,38 @@ def test_bad_name(unchanged, name, fix, quoted):
     with pytest.raises(ValueError) as excinfo:
         Lock(name)
     assert_clear(excinfo, name, fix, quoted=quoted)
+
+
+BLANK_NAMES = ["", "   ", "\t", " nightly", "nightly "]
+
+
+@pytest.mark.parametrize("name", BLANK_NAMES)
+def test_blank_name_refused_by_singleton_job_and_its_key(unchanged, name):
+    with pytest.raises(ValueError) as excinfo:
+        singleton_job(name)
+    assert_clear(excinfo, name, r"pass")
+
+    @singleton_job(key=lambda: name)
+    def job():
+        raise AssertionError("a job under a blank name ran")
+
+    with pytest.raises(ValueError) as excinfo:
+        job()
+    assert_clear(excinfo, name, r"pass")
+
+
+@pytest.mark.parametrize("name", BLANK_NAMES)
+def test_blank_name_refused_by_force_release(unchanged, name):
+    with pytest.raises(ValueError) as excinfo:
+        force_release(name)
+    assert_clear(excinfo, name, r"pass")
+
+
+def test_name_with_inner_spaces_is_a_name(lock_db):
+    name = unique_name("nightly report")
+    with Lock(name).acquire() as lease:
+        assert lease is not None
+        assert lock_db.execute(f"SELECT name FROM {LOCK_TABLE}").fetchall() == [(name,)]
 
 
 def test_name_of_255_characters_acquires(lock_db):
@@ -479,6 +517,45 @@ def test_description_not_a_string(unchanged):
     with pytest.raises(ValueError) as excinfo:
         Lock(unique_name(), description=b"nightly")
     assert_clear(excinfo, b"nightly", r"must be a string", quoted="description=b'nightly'")
+    with pytest.raises(ValueError) as excinfo:
+        Lock(unique_name(), description=42)
+    assert_clear(excinfo, 42, r"must be a string, not an int", quoted="description=42")
+
+
+@pytest.mark.parametrize(
+    ("description", "fix"),
+    [
+        pytest.param("nightly\x00report", r"NUL character.*PostgreSQL.*remove it", id="nul"),
+        pytest.param("report-\udcff.csv", r"cannot be stored as UTF-8.*pass valid text", id="byte"),
+        pytest.param("job-\ud800", r"lone surrogate", id="surrogate"),
+    ],
+)
+def test_description_that_cannot_be_stored(unchanged, description, fix):
+    """Refused in Lock() with the value and the fix, not a UnicodeEncodeError at acquire."""
+    with pytest.raises(ValueError) as excinfo:
+        Lock(unique_name(), description=description)
+    assert_clear(excinfo, description, fix, quoted=f"description={description!r}")
+
+
+def test_description_error_does_not_show_a_secret(unchanged):
+    with pytest.raises(ValueError) as excinfo:
+        Lock(unique_name(), description="backup --password=hunter2\x00")
+    assert "hunter2" not in str(excinfo.value)
+    assert "--password=***" in str(excinfo.value)
+
+
+@pytest.mark.parametrize("size", [2001, 1_000_000])
+def test_long_description_is_stored_cut_to_2000_characters(lock_db, size):
+    name = unique_name()
+    started = time.monotonic()
+    lock = Lock(name, description="report " + "x" * size)
+    assert time.monotonic() - started < 5  # redaction reads a bounded prefix
+    with lock.acquire() as lease:
+        assert lease is not None
+        (stored,) = lock_db.execute(
+            f"SELECT description FROM {LOCK_TABLE} WHERE name = %s", [name]
+        ).fetchone()
+    assert stored == ("report " + "x" * size)[:2000]
 
 
 # -- database aliases ---------------------------------------------------------------------

@@ -26,8 +26,9 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_pglock.conf import get_setting
 from django_pglock.exceptions import LockNotHeld
 from django_pglock.identity import redact
-from django_pglock.lock import Lease, Lock
+from django_pglock.lock import Lease, Lock, validate_name
 from django_pglock.management.cli import database_option, reports_database_errors
+from django_pglock.redaction import redact_argv
 from django_pglock.runs import SkipReason, record_skipped
 from django_pglock.schedule import ScheduleSlot
 from django_pglock.supervisor import GuardedJob, JobNotStarted
@@ -121,7 +122,7 @@ class Command(BaseCommand):
             "--schedule",
             default=None,
             help='Cron expression (e.g. "0 3 * * *"): run at most once per schedule slot, '
-            "judged by the database clock. Needs the [schedule] extra (croniter).",
+            "judged by the database clock. Needs the [schedule] extra (cronsim).",
         )
 
     @reports_database_errors
@@ -150,13 +151,13 @@ class Command(BaseCommand):
             "alert_after": options["alert_after"],
             "stale_after": options["stale_after"],
             "poll_interval": options["poll_interval"],
-            "description": "locked_run " + " ".join(argv),
+            "description": "locked_run " + redact_argv(argv),
         }
         record = not options["no_record"] and get_setting("RECORD_RUNS") is True
         try:
-            name = options["name"] or default_name
+            name = self._lock_name(options["name"], default_name)
             slot = None
-            if options["schedule"]:
+            if options["schedule"] is not None:
                 slot = ScheduleSlot(options["schedule"], name, using=alias)
             lock = Lock(name, record=record, **lock_options)
             lock._thresholds()  # settings and arguments together must be in order
@@ -166,7 +167,7 @@ class Command(BaseCommand):
 
         if options["jitter"]:
             time.sleep(random.uniform(0, options["jitter"]))
-        shown = redact(" ".join(argv))
+        shown = redact_argv(argv)
         self.terminated = False
         code = options["skip_exit_code"]
         started = time.monotonic()
@@ -216,6 +217,15 @@ class Command(BaseCommand):
         if entry.endswith("manage.py") and os.path.isfile(entry):
             return [sys.executable, entry, *argv], command
         return [sys.executable, "-m", "django", *argv], command
+
+    @staticmethod
+    def _lock_name(given: str | None, default: str) -> str:
+        """``--name`` if given (an empty or blank one is refused), else ``default``."""
+        try:
+            return validate_name(default if given is None else given)
+        except ValueError as exc:
+            fix = "" if given is not None else " Name the lock with --name."
+            raise CommandError(f"{exc}{fix}", returncode=EXIT_USAGE) from None
 
     def _supervise(self, lease: Lease, child_argv: list[str], options: dict[str, Any]) -> int:
         """Run the job (the child and its process group) through a guardian; its exit status.

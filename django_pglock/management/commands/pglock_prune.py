@@ -8,14 +8,17 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_pglock import sql
+from django_pglock.conf import MAX_SECONDS
 from django_pglock.connection import get_connection
 from django_pglock.management.cli import database_option, reports_database_errors
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+#: The oldest age that can be asked for: 100 years, well inside PostgreSQL's timestamps.
+MAX_AGE_DAYS = int(MAX_SECONDS // 86400)
 
 
 def parse_age(text: str) -> float:
-    """``"30d"`` → seconds; units s, m, h, d, w."""
+    """``"30d"`` → seconds; units s, m, h, d, w; at most ``MAX_AGE_DAYS`` days."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*", text)
     if not match or float(match.group(1)) <= 0:
         raise CommandError(
@@ -23,7 +26,13 @@ def parse_age(text: str) -> float:
             "12h or 90m (units: s, m, h, d, w).",
             returncode=2,
         )
-    return float(match.group(1)) * UNITS[match.group(2)]
+    seconds = float(match.group(1)) * UNITS[match.group(2)]
+    if seconds > MAX_SECONDS:
+        raise CommandError(
+            f"--older-than {text!r} is too large; the maximum is {MAX_AGE_DAYS}d (100 years).",
+            returncode=2,
+        )
+    return seconds
 
 
 class Command(BaseCommand):
