@@ -187,7 +187,7 @@ def test_prune_refuses_an_empty_database_alias():
     with pytest.raises(CommandError) as raised:
         call_command("pglock_prune", "--older-than=1d", "--database=")
     assert raised.value.returncode == EXIT_USAGE
-    assert "Database alias ''" in str(raised.value)
+    assert "--database '': no such database alias" in str(raised.value)
 
 
 # -- locked_run --schedule ----------------------------------------------------------------

@@ -43,8 +43,9 @@ def database_option(value: str | None) -> str:
             raise CommandError(str(exc), returncode=EXIT_CONFIG) from None
     known = ", ".join(connections.settings) or "none"
     if value not in connections.settings:
+        shown = value if value.strip() == value and value else repr(value)
         raise CommandError(
-            f"--database {value}: no such database alias in settings.DATABASES (known: "
+            f"--database {shown}: no such database alias in settings.DATABASES (known: "
             f"{known}). Pass one of them, or leave --database out to use "
             "DJANGO_PGLOCK['DATABASE'].",
             returncode=EXIT_CONFIG,
