@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from .context import current_lease
 from .decorators import singleton_job
-from .exceptions import LockError, LockNotAcquired, LockNotHeld
+from .exceptions import DatabaseUnavailable, LockError, LockNotAcquired, LockNotHeld
+from .inherit import InheritedLease
 from .lock import Lease, Lock
 
 __all__ = [
+    "DatabaseUnavailable",
+    "InheritedLease",
     "Lease",
     "Lock",
     "LockError",
     "LockNotAcquired",
     "LockNotHeld",
+    "current_lease",
     "singleton_job",
 ]

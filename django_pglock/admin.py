@@ -192,6 +192,7 @@ class JobRunAdmin(JobRunAdminBase):
     list_display = (
         "name",
         "outcome_badge",
+        "reason",
         "started_at",
         "finished_at",
         "duration_display",
@@ -199,7 +200,7 @@ class JobRunAdmin(JobRunAdminBase):
         "holder",
         "token",
     )
-    list_filter = (LastSuccessFilter, "outcome", "name")
+    list_filter = (LastSuccessFilter, "outcome", "reason", "name")
     search_fields = ("name", "host", "holder")
     date_hierarchy = "started_at"
     ordering = ("-started_at",)

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from .exceptions import DatabaseUnavailable
+
 if TYPE_CHECKING:
     from .lease import Lease
     from .lock import Lock
@@ -74,6 +76,9 @@ class AsyncAcquisition:
             except asyncio.CancelledError:
                 handoff.abandon()  # the statement runs on in its thread
                 raise
+            except DatabaseUnavailable as exc:
+                await asyncio.sleep(waiter.unavailable(exc))
+                continue
             if lease is not None:
                 self.lease = lease
                 return lease

@@ -12,7 +12,7 @@ import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import heartbeat, signals, sql
+from . import beats, heartbeat, signals, sql
 from .connection import LockConnection, get_connection
 from .events import call_metrics, send
 from .exceptions import LockError
@@ -197,9 +197,9 @@ class AttemptMixin:
         a reclaimed holder's run. Returns the previous holder, if the grant took over."""
         if conn.note_backend_pid(int(row[3])):
             # Every lease of this process on the alias leaves the advisory path at once.
-            heartbeat.leave_advisory_path(conn, heartbeat.registry().leases(conn.alias))
+            beats.leave_advisory_path(conn, heartbeat.registry().leases(conn.alias))
         elif lease.advisory and conn.pooled:
-            heartbeat.leave_advisory_path(conn, [lease])
+            beats.leave_advisory_path(conn, [lease])
         previous, _ = self._previous(row, True)
         if previous is not None:
             # The previous holder may be dead: finish its run, if it recorded one.

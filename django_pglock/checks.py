@@ -13,10 +13,12 @@ from django.utils.module_loading import import_string
 
 from .conf import (
     DEFAULTS,
+    MAX_SCHEDULE_TOLERANCE,
     MAX_SECONDS,
     SETTING_NAME,
     ThresholdsOutOfOrder,
     ThresholdsTooTight,
+    is_schedule_tolerance,
     setting_label,
     validate_thresholds,
 )
@@ -94,6 +96,17 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
                 f"{SETTING_NAME}['RECORD_RUNS'] = {values['RECORD_RUNS']!r} is not a bool.",
                 hint="Use True (keep a run history) or False.",
                 id="django_pglock.E010",
+            )
+        )
+    tolerance = values["SCHEDULE_TOLERANCE"]
+    if not is_schedule_tolerance(tolerance):
+        errors.append(
+            Error(
+                f"{SETTING_NAME}['SCHEDULE_TOLERANCE'] = {tolerance!r} is not a number of "
+                f"seconds from 0 to {MAX_SCHEDULE_TOLERANCE:g}.",
+                hint="Use a float such as 5.0: how far ahead of the database clock a host may "
+                "fire a cron tick and still start that tick's slot.",
+                id="django_pglock.E012",
             )
         )
     alias = values["DATABASE"]
@@ -178,7 +191,7 @@ def check_database(
             Error(
                 f"Cannot connect to the lock database alias {alias!r}: {redact(cause)}",
                 hint=f"Check DATABASES[{alias!r}] and that the server is up.",
-                id="django_pglock.E012",
+                id="django_pglock.E013",
             )
         ]
     if "django_pglock_joblock" not in tables:

@@ -19,6 +19,7 @@ __all__ = [
     "ThresholdsTooTight",
     "generation",
     "get_setting",
+    "schedule_tolerance",
     "validate_alias",
     "validate_thresholds",
 ]
@@ -34,6 +35,7 @@ DEFAULTS: dict[str, Any] = {
     "DATABASE": "default",
     "METRICS": None,
     "RECORD_RUNS": True,
+    "SCHEDULE_TOLERANCE": 5.0,
 }
 
 
@@ -100,6 +102,32 @@ def check_seconds(label: str, value: object, *, allow_zero: bool = False) -> flo
             f"{MAX_SECONDS:.0f} seconds (100 years)."
         )
     return number
+
+
+#: The largest ``SCHEDULE_TOLERANCE``: half a minute, the shortest period of a five-field
+#: cron expression, so that the nearest tick is never in doubt.
+MAX_SCHEDULE_TOLERANCE = 30.0
+
+
+def is_schedule_tolerance(value: object) -> bool:
+    """Whether ``value`` can be ``SCHEDULE_TOLERANCE``: 0 to 30 seconds."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and 0 <= value <= MAX_SCHEDULE_TOLERANCE
+    )
+
+
+def schedule_tolerance() -> float:
+    """``DJANGO_PGLOCK['SCHEDULE_TOLERANCE']`` in seconds, or ``ImproperlyConfigured``."""
+    value = get_setting("SCHEDULE_TOLERANCE")
+    if not is_schedule_tolerance(value):
+        raise ImproperlyConfigured(
+            f"{setting_label('SCHEDULE_TOLERANCE')} = {value!r} is not a number of seconds "
+            f"from 0 to {MAX_SCHEDULE_TOLERANCE:g}; use a float such as 5.0 (how far ahead "
+            "of the database clock a host may fire a cron tick)."
+        )
+    return float(value)
 
 
 @dataclass(frozen=True)

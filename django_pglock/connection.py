@@ -17,34 +17,18 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
-from django.db import connections
 from psycopg import abc
-from psycopg.adapt import Transformer
 
-from . import protocol, sql
+from . import protocol
 from .conf import get_setting, validate_alias
-from .exceptions import ConnectionBusy, LockError, SessionEnded
+from .exceptions import ConnectionBusy, DatabaseUnavailable, LockError, SessionEnded
+from .failures import first_line, is_unavailable
+from .opening import open_session
 from .protocol import NoAnswer, Protocol, converted
 
 __all__ = ["ConnectionBusy", "LockConnection", "SessionEnded", "get_connection", "validate_alias"]
 
 logger = logging.getLogger("django_pglock")
-
-STATEMENT_TIMEOUT = "30s"
-LOCK_TIMEOUT = "5s"
-# A dead or partitioned server is noticed within about 25 s even with a statement in
-# flight (libpq ignores these on Unix sockets); the holder's own monotonic deadline
-# covers the rest. Options set in DATABASES[alias]["OPTIONS"] win.
-_KEEPALIVES = {
-    "keepalives": 1,
-    "keepalives_idle": 10,
-    "keepalives_interval": 5,
-    "keepalives_count": 3,
-    "tcp_user_timeout": 10000,
-}
-# Keys of Django's connection params that are not libpq parameters.
-_NOT_LIBPQ = ("cursor_factory", "context", "prepare_threshold", "row_factory", "autocommit")
-
 
 #: Called with (connection, generation) when a session ends: its advisory keys are gone.
 SessionListener = Callable[["LockConnection", int], None]
@@ -95,68 +79,7 @@ class LockConnection(Protocol):
         return f"<LockConnection alias={self.alias!r} {state} backend_pid={self.backend_pid}>"
 
     def _connect(self) -> psycopg.Connection[Any]:
-        wrapper = connections[self.alias]
-        params = dict(wrapper.get_connection_params())
-        options = wrapper.settings_dict.get("OPTIONS", {})
-        for key in _NOT_LIBPQ:
-            params.pop(key, None)
-        params.setdefault("application_name", "django_pglock")
-        for key, value in _KEEPALIVES.items():
-            params.setdefault(key, value)
-        # Prepared statements save planning on every acquire; they are unsafe behind a
-        # transaction-mode pooler, which is also when the advisory path is switched off.
-        if "prepare_threshold" in options:
-            self._prepare = options["prepare_threshold"] is not None
-        else:
-            self._prepare = bool(get_setting("ADVISORY"))
-        try:
-            # prepare_threshold=None would switch preparing off even for prepare=True.
-            threshold = 0 if self._prepare else None
-            conn = psycopg.connect(autocommit=True, prepare_threshold=threshold, **params)
-        except psycopg.Error as exc:
-            # libpq's message names host and port, never the password; the parameters
-            # themselves are not repeated here.
-            raise LockError(
-                f"Could not open the lock connection for database alias {self.alias!r}: "
-                f"{_first_line(exc)}. Check DATABASES[{self.alias!r}] and that the server is up."
-            ) from None
-        try:
-            row = conn.execute(
-                sql.SESSION_SETUP,
-                {"statement_timeout": STATEMENT_TIMEOUT, "lock_timeout": LOCK_TIMEOUT},
-                prepare=False,
-            ).fetchone()
-        except psycopg.Error as exc:
-            with contextlib.suppress(psycopg.Error):
-                conn.close()
-            raise LockError(
-                f"Could not set up the lock connection for database alias {self.alias!r}: "
-                f"{_first_line(exc)}."
-            ) from None
-        assert row is not None
-        self.durable_commit = str(row[0])
-        self.backend_pid = int(row[5])
-        self._backend_start = row[6]
-        self.generation += 1
-        for pid, started in self._abandoned:
-            with contextlib.suppress(psycopg.Error):
-                conn.execute(sql.END_ABANDONED, {"pid": pid, "started": started}, prepare=False)
-        if self._abandoned:
-            self._abandoned = []
-            self.orphans_possible = True  # what it ran before it ended may have granted
-        self._cursor = psycopg.RawCursor(conn)
-        self._tx = Transformer(conn)
-        self._prepared = {}
-        self._encoding = conn.info.encoding
-        # A transaction-mode pooler, looked for once, before any key is taken here.
-        if self.generation == 1 and not self.pooled and get_setting("ADVISORY") is not False:
-            from .pooler import find_pooler
-
-            evidence = find_pooler(conn, params, self.backend_pid, self.alias)
-            if evidence is not None:
-                self._prepare = False  # its prepared statements would come and go as well
-                self._found_pooler(evidence)
-        return conn
+        return open_session(self)
 
     def execute(
         self,
@@ -201,26 +124,23 @@ class LockConnection(Protocol):
             except NoAnswer:
                 ended = self._abandon_session()  # no answer: no cancel either
                 _call(after_failure, [], False)
-                raise LockError(
+                raise DatabaseUnavailable(
                     f"A lock statement on database alias {self.alias!r} got no answer within "
                     f"{protocol.STATEMENT_DEADLINE:g} s; the session was given up."
                 ) from None
-            except psycopg.OperationalError as exc:
-                if self._conn.broken or self._conn.closed:
-                    ended = self._discard()
-                    _call(after_failure, [], False)
-                    raise LockError(
-                        f"The lock connection for database alias {self.alias!r} was lost: "
-                        f"{_first_line(exc)}."
-                    ) from None
-                _call(after_failure, [], True)
-                raise LockError(
-                    f"A lock statement failed on database alias {self.alias!r}: {_first_line(exc)}."
-                ) from exc
             except psycopg.Error as exc:
-                _call(after_failure, [], True)
-                raise LockError(
-                    f"A lock statement failed on database alias {self.alias!r}: {_first_line(exc)}."
+                lost = self._conn.broken or self._conn.closed
+                if lost:
+                    ended = self._discard()
+                _call(after_failure, [], not lost)
+                if lost:
+                    raise DatabaseUnavailable(
+                        f"The lock connection for database alias {self.alias!r} was lost: "
+                        f"{first_line(exc)}."
+                    ) from None
+                error = DatabaseUnavailable if is_unavailable(exc, self._conn) else LockError
+                raise error(
+                    f"A lock statement failed on database alias {self.alias!r}: {first_line(exc)}."
                 ) from exc
             except BaseException:
                 self.orphans_possible = True  # whatever it did, its caller never hears
@@ -360,10 +280,6 @@ def _tell_session_ended(conn: LockConnection, generation: int) -> None:
             listener(conn, generation)
         except Exception:  # pragma: no cover - a listener bug must not break the caller
             logger.exception("django_pglock: session-end listener raised")
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 _registry: dict[str, LockConnection] = {}

@@ -10,7 +10,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
 from .conf import check_seconds, get_setting
-from .lock import Lock, validate_name
+from .context import running_under
+from .exceptions import LockNotHeld
+from .inherit import offered, parent_grant
+from .lock import Lease, Lock, validate_name
+from .runs import SkipReason, record_skipped
 from .schedule import ScheduleSlot
 
 __all__ = ["singleton_job"]
@@ -116,17 +120,23 @@ class _SingletonJob:
                 logger.info("django_pglock: skipped %s: %s.", func.__qualname__, why)
 
         def skipped(lock: Lock, args: tuple[Any, ...], holder: dict[str, Any] | None) -> None:
+            # Not granted: held elsewhere (one attempt), or held until the wait ran out.
             report(args, f"lock {lock.name!r} is held by {_describe(holder)}")
-            if lock.record:
-                lock._record_skipped()
+            record_skipped(lock, SkipReason.TIMED_OUT if self.blocking else SkipReason.HELD)
 
-        def first_in_slot(lock: Lock, args: tuple[Any, ...]) -> bool:
+        def first_in_slot(
+            lock: Lock, lease: Lease | None, args: tuple[Any, ...], parent: str | None = None
+        ) -> bool:
+            """Claim the schedule slot (``parent``: a claim by that holder counts as ours).
+            Without a lease (under locked_run's grant) its run is locked_run's to record."""
             if self.schedule is None:
                 return True
             slot = ScheduleSlot(self.schedule, lock.name, using=lock.using)
-            if slot.claim():
+            if slot.claim(parent):
                 return True
             report(args, f"schedule slot {slot.slot_label} of {lock.name!r} already started")
+            if lease is not None:
+                record_skipped(lock, SkipReason.SLOT_TAKEN, lease)
             return False
 
         if inspect.iscoroutinefunction(func):
@@ -134,29 +144,55 @@ class _SingletonJob:
             @functools.wraps(func)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
                 lock = lock_for(args, kwargs)
+                if offered(lock.name):  # locked_run's job: maybe under its grant
+                    inherited = await asyncio.to_thread(parent_grant, lock)
+                    if inherited is not None:
+                        parent = inherited.holder
+                        if not await asyncio.to_thread(first_in_slot, lock, None, args, parent):
+                            return None
+                        with running_under(inherited):
+                            return await func(*args, **kwargs)
                 acquisition = lock.acquire_async(self.blocking, self.timeout)
                 async with acquisition as lease:
                     if lease is None:
                         # Naming the holder and recording the skip may query: off the loop.
                         await asyncio.to_thread(lambda: skipped(lock, args, acquisition.holder))
                         return None
-                    if not await asyncio.to_thread(first_in_slot, lock, args):
+                    if not await asyncio.to_thread(first_in_slot, lock, lease, args):
                         return None
-                    return await func(*args, **kwargs)
+                    with running_under(lease):
+                        return await func(*args, **kwargs)
 
             return async_wrapper  # type: ignore[return-value]
 
-        @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
             lock = lock_for(args, kwargs)
+            inherited = parent_grant(lock) if offered(lock.name) else None
+            if inherited is not None:  # locked_run's job, under its grant
+                if not first_in_slot(lock, None, args, inherited.holder):
+                    return None
+                with running_under(inherited):
+                    return func(*args, **kwargs)
             acquisition = lock.acquire(self.blocking, self.timeout)
             with acquisition as lease:
                 if lease is None:
                     skipped(lock, args, acquisition.holder)
                     return None
-                if not first_in_slot(lock, args):
+                if not first_in_slot(lock, lease, args):
                     return None
-                return func(*args, **kwargs)
+                with running_under(lease):
+                    return func(*args, **kwargs)
+
+        @functools.wraps(func)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return run(*args, **kwargs)
+            except LockNotHeld as exc:
+                if args and _is_command(args[0]):
+                    from .exits import end_command  # Django's management, only if needed
+
+                    end_command(exc)  # one line on stderr, exit status 75
+                raise
 
         return wrapper  # type: ignore[return-value]
 
@@ -202,12 +238,20 @@ def singleton_job(
     that finds the lock held is skipped: it returns ``None``, logs who holds the lock,
     and a management command writes one line to stderr and exits 0. ``blocking=True``
     waits instead (up to ``timeout`` seconds). ``schedule="0 3 * * *"`` also runs the
-    body at most once per cron slot (computed from the database clock; needs the
-    ``schedule`` extra), however many hosts fire it. Each run is recorded in the run
-    history (``JobRun``) unless ``record=False`` or ``DJANGO_PGLOCK['RECORD_RUNS']`` is
-    false. Other keyword arguments (``using``,
+    body at most once per cron slot (computed from the database clock in the active time
+    zone, to the nearest tick within ``SCHEDULE_TOLERANCE``; needs the ``schedule``
+    extra), however many hosts fire it. Each run is recorded in the run history
+    (``JobRun``) unless ``record=False`` or ``DJANGO_PGLOCK['RECORD_RUNS']`` is false; a
+    skipped call as ``skipped``, with the reason (``held``, ``slot-taken`` or
+    ``timed-out``). Other keyword arguments (``using``,
     thresholds, ``poll_interval``, ``advisory``, ``metrics``, ``description``) go to
     :class:`~django_pglock.Lock`. Works on ``async def`` functions too.
+
+    While the body runs, :func:`~django_pglock.current_lease` returns its lease. Run as
+    the job of ``locked_run`` holding the same name, the body runs under the parent's
+    grant instead of skipping (see :mod:`django_pglock.inherit`). A lease lost while
+    the body ran raises :class:`~django_pglock.LockNotHeld` when the call returns; a
+    management command then ends with one line on stderr and exit status 75.
     """
     if callable(name) and not isinstance(name, str):
         return _SingletonJob(None, key, blocking, timeout, schedule, record, lock_options)(name)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["LockError", "LockNotAcquired", "LockNotHeld"]
+__all__ = ["DatabaseUnavailable", "LockError", "LockNotAcquired", "LockNotHeld"]
 
 
 class LockError(Exception):
@@ -23,3 +23,13 @@ class SessionEnded(LockError):
 
 class ConnectionBusy(LockError):
     """The lock connection stayed busy with another thread's statement for too long."""
+
+
+class DatabaseUnavailable(LockError):
+    """The lock database cannot be reached or cannot grant locks right now.
+
+    Raised for a connection that cannot be opened or was lost, a statement with no answer
+    within its bound, a server shutting down or starting up, and a read-only server (a
+    standby not yet promoted). A blocking acquire retries these, with backoff, until its
+    timeout; a non-blocking attempt raises it at once.
+    """

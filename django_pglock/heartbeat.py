@@ -10,7 +10,6 @@ transaction to end.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import os
@@ -20,72 +19,17 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from . import sql
+from .beats import RETRY_INTERVAL, beat, sweep_orphans
 from .connection import LockConnection, get_connection, on_session_end
-from .events import call_metrics
-from .exceptions import ConnectionBusy, LockError
+from .exceptions import LockError
 from .states import Key, State
 
 if TYPE_CHECKING:
     from .lease import Lease
 
-__all__ = ["beat", "registry"]
+__all__ = ["RETRY_INTERVAL", "Registry", "current_registry", "registry"]
 
 logger = logging.getLogger("django_pglock")
-
-#: How long a release at interpreter exit waits for a busy lock connection at most, and
-#: how long failed releases are retried at exit before the process gives up on them.
-EXIT_WAIT = 1.0
-EXIT_RETRIES = 5.0
-EXIT_BUSY_WAIT = 0.2
-
-#: How soon a failed heartbeat or a release waiting for a guarded transaction is retried.
-RETRY_INTERVAL = 0.1
-
-
-def beat(conn: LockConnection, leases: list[Lease]) -> None:
-    """Heartbeat ``leases`` (all on ``conn``) in one statement and apply the outcome.
-
-    A lease holding its advisory key is confirmed only by a statement on the session that
-    holds the key: if that session ended, the lease is lost, never confirmed on a new
-    one. Raises ``LockError`` when the statement cannot run; the leases' local deadlines
-    then decide whether they are lost.
-    """
-    for lease in leases:
-        lease._check_session(conn)
-    leases = [lease for lease in leases if lease.state is State.HELD]
-    if not leases:
-        return
-    keyed = [lease for lease in leases if lease._key_state is Key.HELD]
-    session = keyed[0]._generation if keyed else None
-    sent = time.monotonic()
-    rows = conn.execute(
-        sql.HEARTBEAT,
-        {"names": [lease.name for lease in leases], "tokens": [lease.token for lease in leases]},
-        session=session,
-    )
-    latency = time.monotonic() - sent
-    by_token = {lease.token: lease for lease in leases}
-    if rows and conn.note_backend_pid(int(rows[0][3])):
-        leave_advisory_path(conn, leases)
-    # One latency per statement, to each distinct metrics hook of these leases.
-    hooks = {id(hook): hook for lease in leases for hook in lease._lock._hooks() if hook}
-    call_metrics(tuple(hooks.values()), "heartbeat_latency", latency)
-    for token, beaten, present, _ in rows:
-        lease = by_token[token]
-        if beaten:
-            lease._confirm(sent)
-        elif not present:
-            lease._mark_lost("its row is gone or belongs to another holder", row_gone=True)
-
-
-def leave_advisory_path(conn: LockConnection, leases: list[Lease]) -> None:
-    """A pooler was detected: no row of ours may be judged by its session any longer."""
-    holding = [lease for lease in leases if lease._key_state is Key.HELD]
-    if holding:
-        conn.execute(sql.DISABLE_ADVISORY, {"tokens": [lease.token for lease in holding]})
-        for lease in holding:
-            lease._give_back_key()
 
 
 class Registry:
@@ -226,7 +170,7 @@ class Registry:
                 elif state is State.LOST:
                     watched.append(lease)  # lost by its deadline: still holds its key
             if conn.orphans_possible:
-                wake_at = min(wake_at, self._sweep(conn, now))
+                wake_at = min(wake_at, sweep_orphans(conn, self.leases(conn.alias), now))
             if not live and not watched:
                 continue
             interval = min(lease.heartbeat_interval for lease in live or watched)
@@ -249,35 +193,6 @@ class Registry:
                 due = now + interval
             wake_at = min(wake_at, due)
         return max(0.0, wake_at - time.monotonic())
-
-    def _sweep(self, conn: LockConnection, now: float) -> float:
-        """Release rows of this process that no lease owns (``sql.SWEEP_ORPHANS``), after
-        an interrupted statement; return when to look again."""
-        from .identity import current
-        from .lease import unreleased_tokens
-
-        try:
-            with conn.lock:  # no grant is between its statement and its lease meanwhile
-                conn.orphans_possible = False
-                tokens = unreleased_tokens()
-                params = {"holder": current().holder, "tokens": tokens}
-                rows = conn.execute(sql.SWEEP_ORPHANS, params)
-                keys = {lease._key for lease in self.leases(conn.alias)}
-                for name, token, keyed in rows:
-                    logger.warning(
-                        "django_pglock: released lock %r (token %s): granted to this process "
-                        "while an exception interrupted the grant, so nobody held it",
-                        name,
-                        token,
-                    )
-                    key = sql.advisory_key(name)
-                    if keyed and key not in keys:
-                        conn.execute(sql.UNLOCK, {"key": key}, session=conn.generation)
-        except LockError as exc:
-            conn.orphans_possible = True
-            logger.debug("django_pglock: sweeping orphaned grants failed: %s", exc)
-            return now + RETRY_INTERVAL
-        return now + 60.0
 
     def session_ended(self, conn: LockConnection, generation: int) -> None:
         """A lock session ended: the leases whose key it held learn at once."""
@@ -339,46 +254,6 @@ _registry: Registry | None = None
 _registry_lock = threading.Lock()
 
 
-def release_all_at_exit() -> None:
-    """At interpreter exit, release what this process still holds.
-
-    A lease that was never released would otherwise keep its name until its session
-    ends (advisory path) or until ``stale_after`` (table path).
-    """
-    held = _registry
-    if held is None or held.pid != os.getpid():
-        return
-    leases = held.leases()
-    for lease in leases:
-        with contextlib.suppress(Exception):
-            lease._release(EXIT_WAIT)  # a stuck connection must not keep the process
-    # Releases that failed (now or before) get their retries here: the heartbeat thread
-    # that would retry them dies with the process, and on the table path a row left
-    # behind would block its name until stale_after.
-    # A connection that stays busy is stuck (a statement on an unresponsive server): its
-    # releases are given up at once, so that the process exits.
-    deadline = time.monotonic() + EXIT_RETRIES
-    pending = [lease for lease in leases if lease.state is State.RELEASING]
-    busy: set[int] = set()
-    while pending and time.monotonic() < deadline:
-        for lease in pending:
-            try:
-                lease._finish_release(EXIT_BUSY_WAIT)
-            except ConnectionBusy:
-                busy.add(id(lease))
-            except Exception:
-                continue
-        pending = [
-            lease for lease in pending if lease.state is State.RELEASING and id(lease) not in busy
-        ]
-        if pending:
-            time.sleep(RETRY_INTERVAL)
-    held.closing = True  # servers stopping at exit are no news
-
-
-atexit.register(release_all_at_exit)
-
-
 def _session_ended(conn: LockConnection, generation: int) -> None:
     held = _registry
     if held is not None and held.pid == os.getpid():
@@ -386,6 +261,12 @@ def _session_ended(conn: LockConnection, generation: int) -> None:
 
 
 on_session_end(_session_ended)
+
+
+def current_registry() -> Registry | None:
+    """The registry of the calling process if it has one (``None`` in a forked child)."""
+    held = _registry
+    return held if held is not None and held.pid == os.getpid() else None
 
 
 def registry() -> Registry:
@@ -396,6 +277,9 @@ def registry() -> Registry:
         return held
     with _registry_lock:
         if _registry is None or _registry.pid != os.getpid():
+            from . import exiting  # it needs this module: imported once a lease exists
+
+            exiting.register()
             _registry = Registry()
         return _registry
 

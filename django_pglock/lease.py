@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from django.db import connections
 
-from . import heartbeat, signals, sql
+from . import beats, heartbeat, signals, sql
 from .conf import Thresholds
 from .connection import LockConnection
 from .events import call_metrics, send
@@ -206,7 +206,7 @@ class Lease(KeyMixin, ReleaseMixin):
     def beat(self) -> None:
         """Heartbeat now (the heartbeat thread does this on its own every interval)."""
         self._require_held()
-        heartbeat.beat(self._conn, [self])
+        beats.beat(self._conn, [self])
         self._check_session(self._conn)
         self._require_held()
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from django.conf import settings
 
-from . import signals, sql
+from . import signals
 from .aio import AsyncAcquisition
 from .attempt import AttemptMixin
 from .conf import (
@@ -24,10 +24,10 @@ from .conf import (
     setting_label,
     validate_thresholds,
 )
-from .connection import get_connection, validate_alias
+from .connection import validate_alias
 from .events import call_metrics, configured_metrics, send
-from .exceptions import LockNotAcquired
-from .identity import current, default_description, redact
+from .exceptions import DatabaseUnavailable, LockNotAcquired
+from .identity import default_description, redact
 from .lease import Lease, held_by_this_thread
 from .options import Option, Resolved, validate_name
 from .waiting import Waiter
@@ -139,20 +139,6 @@ class Lock(AttemptMixin):
     def _poll_interval(self) -> float:
         return self._resolved().poll
 
-    def _record_skipped(self) -> None:
-        """Add a ``skipped`` run to the history (for a recorded job that did not run)."""
-        identity = current()
-        get_connection(self._alias()).execute(
-            sql.RECORD_SKIPPED,
-            {
-                "name": self.name,
-                "holder": identity.holder,
-                "host": identity.host,
-                "pid": identity.pid,
-                "description": self._description(),
-            },
-        )
-
     def _description(self) -> str:
         return self.description if self.description is not None else default_description()
 
@@ -241,7 +227,11 @@ class Lock(AttemptMixin):
         if mine is not None and waiter.blocking:
             raise self._held_here(mine)
         while True:
-            lease = self._attempt_once(waiter, sync=True)
+            try:
+                lease = self._attempt_once(waiter, sync=True)
+            except DatabaseUnavailable as exc:
+                time.sleep(waiter.unavailable(exc))
+                continue
             if lease is not None:
                 return lease
             delay = waiter.next_delay()
@@ -256,6 +246,7 @@ class Lock(AttemptMixin):
         async shell's worker thread), so that thread holding the name already is an error.
         """
         lease, waiter.holder = self._attempt(first=waiter.attempts == 0, sync=sync)
+        waiter.answered()
         waiter.attempts += 1
         if lease is not None:
             self._granted(lease, waiter.started, sync=sync)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django.db import models
 
+from .runs import SkipReason
+
 __all__ = ["JobLock"]
 
 
@@ -69,9 +71,13 @@ class ScheduleClaim(models.Model):
 class JobRun(models.Model):
     """One run of a job under ``@singleton_job`` or ``locked_run``: the run history.
 
-    Written by the lock engine in the same statements as acquire and release; a skipped
-    run is one row with outcome ``skipped``. Prune old rows with ``manage.py pglock_prune``.
+    Written by the lock engine in the same statements as acquire and release; a call that
+    did not run its body is one row with outcome ``skipped`` and a ``reason`` (the lock was
+    held, the schedule slot had already started, or the wait timed out). Prune old rows
+    with ``manage.py pglock_prune``.
     """
+
+    Reason = SkipReason
 
     class Outcome(models.TextChoices):
         RUNNING = "running", "running"
@@ -91,6 +97,13 @@ class JobRun(models.Model):
     duration = models.FloatField(null=True, blank=True, help_text="Seconds, by the database clock.")
     outcome = models.CharField(max_length=16, choices=Outcome.choices)
     exit_code = models.IntegerField(null=True, blank=True, help_text="For locked_run.")
+    reason = models.CharField(
+        max_length=16,
+        choices=SkipReason.choices,
+        null=True,
+        blank=True,
+        help_text="Why a skipped run did not run its body (empty for other outcomes).",
+    )
 
     class Meta:
         db_table = "django_pglock_jobrun"

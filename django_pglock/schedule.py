@@ -1,19 +1,30 @@
-"""Schedule-slot mode: at most one start per cron tick, judged by the database clock."""
+"""Schedule-slot mode: at most one start per cron tick, judged by the database clock.
+
+A run belongs to the nearest tick of the cron expression, in the active time zone: the
+next tick when it is at most ``SCHEDULE_TOLERANCE`` seconds ahead of the database clock
+(and nearer than the previous one), else the latest tick at or before it. So a host whose
+clock runs a little ahead, firing "03:00" while the database still reads 02:59:59.5,
+starts the 03:00 slot like every other host, not the slot before it.
+"""
 
 from __future__ import annotations
 
 import datetime
 from typing import Any
 
+from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
 from . import sql
-from .conf import get_setting
+from .conf import get_setting, schedule_tolerance
 from .connection import get_connection, validate_alias
 from .identity import current
 
 __all__ = ["ScheduleSlot"]
+
+
+_SECOND = datetime.timedelta(seconds=1)
 
 
 def _cronsim() -> Any:
@@ -29,9 +40,11 @@ def _cronsim() -> Any:
 class ScheduleSlot:
     """The current slot of a cron ``expression`` for the job ``name``.
 
-    Slots are computed from the database clock in the project's ``TIME_ZONE``, so hosts
-    whose clocks disagree still agree on the slot. :meth:`claim` records the start of the
-    current slot and tells whether this caller was first.
+    Slots are computed from the database clock, in the active time zone (``TIME_ZONE``,
+    or the zone of ``timezone.override``), to the nearest tick within
+    ``DJANGO_PGLOCK['SCHEDULE_TOLERANCE']`` seconds ahead: hosts whose clocks disagree a
+    little still agree on the slot. :meth:`claim` records the start of the current slot
+    and tells whether this caller was first. Every host must compute in the same zone.
     """
 
     def __init__(self, expression: str, name: str, using: str | None = None) -> None:
@@ -49,26 +62,54 @@ class ScheduleSlot:
         self.name = name
         self.using = using
         self.slot: datetime.datetime | None = None
+        if settings.configured:  # else (decorating at import time) checked at claim
+            schedule_tolerance()
 
     @property
     def slot_label(self) -> str:
         return self.slot.isoformat() if self.slot else "(not computed)"
 
-    def current_slot(self, now: datetime.datetime) -> datetime.datetime:
-        """The start of the slot that contains ``now`` (the latest tick at or before it)."""
-        local = timezone.localtime(now).replace(microsecond=0) + datetime.timedelta(seconds=1)
-        start: datetime.datetime = next(_cronsim().CronSim(self.expression, local, reverse=True))
-        return start
+    def current_slot(
+        self, now: datetime.datetime, tolerance: float | None = None
+    ) -> datetime.datetime:
+        """The tick that a run at ``now`` (database clock) belongs to, in the active zone.
 
-    def claim(self) -> bool:
-        """Record the start of the current slot; ``True`` only for the first caller."""
+        The next tick if it is at most ``tolerance`` seconds after ``now`` (default: the
+        ``SCHEDULE_TOLERANCE`` setting) and nearer than the previous one; else the
+        latest tick at or before ``now``.
+        """
+        if tolerance is None:
+            tolerance = schedule_tolerance()
+        cronsim = _cronsim()
+        # Cron ticks fall on whole seconds: from the whole second at or before now, the
+        # first tick forward is after now, and reverse from a second later is at or before.
+        local = timezone.localtime(now, timezone.get_current_timezone()).replace(microsecond=0)
+        previous: datetime.datetime = next(
+            cronsim.CronSim(self.expression, local + _SECOND, reverse=True)
+        )
+        if tolerance > 0:
+            following: datetime.datetime = next(cronsim.CronSim(self.expression, local))
+            # Timestamps: differences across a DST change in the same zone are real seconds.
+            ahead = following.timestamp() - now.timestamp()
+            if ahead <= tolerance and ahead < now.timestamp() - previous.timestamp():
+                return following
+        return previous
+
+    def claim(self, parent: str | None = None) -> bool:
+        """Record the start of the current slot; ``True`` only for the first caller.
+
+        ``parent``: the holder whose grant this run inherited (see :mod:`.inherit`); a
+        slot that holder claimed already counts as claimed by this run.
+        """
         alias = validate_alias(self.using if self.using is not None else get_setting("DATABASE"))
         # On the dedicated autocommit connection: a claim never joins the caller's
         # transaction, so it is visible to other hosts at once.
         conn = get_connection(alias)
         ((now,),) = conn.execute(sql.NOW, {})
         self.slot = self.current_slot(now)
-        rows = conn.execute(
-            sql.CLAIM_SLOT, {"name": self.name, "slot": self.slot, "holder": current().holder}
-        )
+        params = {"name": self.name, "slot": self.slot, "holder": current().holder}
+        if parent is None:
+            rows = conn.execute(sql.CLAIM_SLOT, params)
+        else:
+            rows = conn.execute(sql.CLAIM_SLOT_UNDER, {**params, "parent": parent})
         return bool(rows)

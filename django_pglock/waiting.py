@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from typing import TYPE_CHECKING, Any
@@ -9,11 +10,20 @@ from typing import TYPE_CHECKING, Any
 from . import sql
 from .conf import check_seconds
 from .connection import get_connection
+from .exceptions import DatabaseUnavailable
 
 if TYPE_CHECKING:
     from .lock import Lock
 
-__all__ = ["Waiter"]
+__all__ = ["RETRY_FIRST", "RETRY_MAX", "Waiter"]
+
+logger = logging.getLogger("django_pglock")
+
+#: Backoff of a blocking acquire while the database is unavailable: the first retry
+#: after about RETRY_FIRST seconds, doubling up to RETRY_MAX (each jittered down by up
+#: to half).
+RETRY_FIRST = 0.1
+RETRY_MAX = 2.0
 
 
 class Waiter:
@@ -33,7 +43,10 @@ class Waiter:
         self.lock: Lock | None = None  # whose attempts these are
         self.poll_interval = poll_interval
         self.started = time.monotonic()
+        self.timeout = timeout
         self.deadline = None if timeout is None else self.started + timeout
+        self.outage: float | None = None  # since when the database is unavailable
+        self.failures = 0  # failed attempts in a row, for the backoff
 
     def current_holder(self) -> dict[str, Any] | None:
         """The holder seen by the last refused attempt; read now if it committed after
@@ -45,6 +58,50 @@ class Waiter:
                 fields = ("token", "holder", "host", "pid", "acquired_at", "description")
                 self.holder = dict(zip((*fields, "heartbeat_age"), found[0][:7], strict=True))
         return self.holder
+
+    def answered(self) -> None:
+        """An attempt got an answer (a grant or a refusal): an outage is over."""
+        if self.outage is not None and self.lock is not None:
+            logger.warning(
+                "django_pglock: database alias %r answers again after %.1f s; waiting for "
+                "lock %r goes on.",
+                self.lock._alias(),
+                time.monotonic() - self.outage,
+                self.lock.name,
+            )
+        self.outage, self.failures = None, 0
+
+    def unavailable(self, exc: DatabaseUnavailable) -> float:
+        """Seconds to wait before the next attempt after ``exc``; raises it when this
+        acquire does not wait (``blocking=False``) or its timeout has passed.
+
+        Only the timeout ends a blocking wait: a failover, a restart or a read-only
+        standby before its promotion are waited out, with backoff.
+        """
+        if not self.blocking:
+            raise exc
+        now = time.monotonic()
+        if self.outage is None:
+            self.outage = now
+            name = self.lock.name if self.lock is not None else "?"
+            logger.warning(
+                "django_pglock: waiting for lock %r: the database is unavailable (%s); "
+                "retrying until the timeout.",
+                name,
+                exc,
+            )
+        self.failures += 1
+        delay: float = min(RETRY_MAX, RETRY_FIRST * 2.0 ** (self.failures - 1))
+        delay *= random.uniform(0.5, 1.0)
+        if self.deadline is not None:
+            remaining = self.deadline - now
+            if remaining <= 0:
+                raise DatabaseUnavailable(
+                    f"Gave up waiting after {self.timeout:g} s (timeout): the database was "
+                    f"unavailable for the last {now - self.outage:.1f} s: {exc}"
+                ) from exc
+            delay = min(delay, remaining)
+        return delay
 
     def next_delay(self) -> float | None:
         """Seconds to sleep before the next attempt, or ``None`` to give up."""

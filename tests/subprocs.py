@@ -59,11 +59,12 @@ def pid_gone(pid):
     return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
-def wait_for_early_in_minute(conn, latest=45.0):
+def wait_for_early_in_minute(conn, latest=40.0):
     """Sleep until the database clock is at most ``latest`` seconds into a minute.
 
-    Tests of `* * * * *` schedule slots must run inside one minute; this leaves them at
-    least 60 - latest seconds.
+    Tests of `* * * * *` schedule slots must run inside one slot, and a slot ends
+    SCHEDULE_TOLERANCE (5 s by default) before the next minute, when runs start to belong
+    to the next tick; this leaves them at least 55 - latest seconds.
     """
     (seconds,) = conn.execute("SELECT extract(second FROM now())::float8").fetchone()
     if seconds >= latest:

@@ -364,6 +364,8 @@ def test_recorded_job_succeeds_fails_and_is_skipped():
     assert failed.finished_at is not None and failed.duration > 0
     assert failed.token > succeeded.token
     assert skipped.outcome == JobRun.Outcome.SKIPPED
+    assert skipped.reason == JobRun.Reason.HELD
+    assert succeeded.reason is None and failed.reason is None
     assert skipped.token is None and skipped.finished_at is not None
     assert {run.holder for run in (succeeded, failed, skipped)} == {lease.holder}
     assert not JobLock.objects.filter(pk="recorded-job").exists()
@@ -487,10 +489,14 @@ def test_prune_deletes_old_runs_and_claims_and_keeps_recent_ones(sql_db):
     old_1, old_2, recent = runs()
     running = hold(unique("running"), record=True)  # a run still going on
     now = timezone.now()
-    ScheduleClaim.objects.create(
-        name="old-claim", slot=now - timedelta(days=2), holder="h", claimed_at=now
+    # Two slots of one job: the older claim goes, the latest is kept (see
+    # tests/test_schedule_runs.py for the latest claim of a job, kept whatever its age).
+    old_claim = ScheduleClaim.objects.create(
+        name="claimed-job", slot=now - timedelta(days=2), holder="h", claimed_at=now
     )
-    ScheduleClaim.objects.create(name="new-claim", slot=now, holder="h", claimed_at=now)
+    new_claim = ScheduleClaim.objects.create(
+        name="claimed-job", slot=now, holder="h", claimed_at=now
+    )
     sql_db.execute(
         "UPDATE django_pglock_jobrun SET started_at = now() - interval '2 hours',"
         " finished_at = now() - interval '2 hours' + interval '1 second' WHERE id = ANY(%s)",
@@ -498,12 +504,13 @@ def test_prune_deletes_old_runs_and_claims_and_keeps_recent_ones(sql_db):
     )
     sql_db.execute(
         "UPDATE django_pglock_scheduleclaim SET claimed_at = now() - interval '2 days'"
-        " WHERE name = 'old-claim'"
+        " WHERE id = %s",
+        [old_claim.pk],
     )
     # The recent run and claim "just" happened, by the database clock.
     sql_db.execute("UPDATE django_pglock_jobrun SET finished_at = now() WHERE id = %s", [recent.pk])
     sql_db.execute(
-        "UPDATE django_pglock_scheduleclaim SET claimed_at = now() WHERE name = 'new-claim'"
+        "UPDATE django_pglock_scheduleclaim SET claimed_at = now() WHERE id = %s", [new_claim.pk]
     )
 
     out = io.StringIO()
@@ -512,7 +519,7 @@ def test_prune_deletes_old_runs_and_claims_and_keeps_recent_ones(sql_db):
     remaining = {run.pk for run in runs()}
     assert recent.pk in remaining and old_1.pk not in remaining and old_2.pk not in remaining
     assert len(remaining) == 2  # plus the running one
-    assert list(ScheduleClaim.objects.values_list("name", flat=True)) == ["new-claim"]
+    assert list(ScheduleClaim.objects.values_list("pk", flat=True)) == [new_claim.pk]
     running.release()
 
 

@@ -17,7 +17,7 @@ import psycopg
 import pytest
 
 from django_pglock import Lock, LockError, LockNotHeld, signals
-from django_pglock import connection as connection_module
+from django_pglock import opening as opening_module
 from django_pglock.connection import get_connection
 from django_pglock.heartbeat import registry
 from django_pglock.states import Key, State
@@ -116,7 +116,7 @@ def test_a_session_killed_during_another_threads_statement_loses_its_advisory_le
 
 
 def test_a_failed_release_is_retried_until_it_settles_and_never_heartbeated_again(db, monkeypatch):
-    monkeypatch.setattr(connection_module, "LOCK_TIMEOUT", "100ms")
+    monkeypatch.setattr(opening_module, "LOCK_TIMEOUT", "100ms")
     get_connection("default").close()  # the next session takes the short lock_timeout
     lease = Lock(
         "release-retry", heartbeat_interval=0.1, alert_after=0.3, stale_after=3

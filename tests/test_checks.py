@@ -31,6 +31,7 @@ OK = {
     "ADVISORY": True,
     "DATABASE": "default",
     "METRICS": None,
+    "SCHEDULE_TOLERANCE": 2.5,
 }
 
 
@@ -63,6 +64,8 @@ def extra_database(alias, **overrides):
         pytest.param(OK, id="everything"),
         pytest.param({"STALE_AFTER": 60, "ALERT_AFTER": 15, "HEARTBEAT_INTERVAL": 1}, id="ints"),
         pytest.param({"ADVISORY": False}, id="table-only"),
+        pytest.param({"SCHEDULE_TOLERANCE": 0}, id="exact-slots"),
+        pytest.param({"SCHEDULE_TOLERANCE": 30.0}, id="widest-tolerance"),
         pytest.param(
             {"HEARTBEAT_INTERVAL": 1, "ALERT_AFTER": 1.5, "STALE_AFTER": 2}, id="stale=2*hb"
         ),
@@ -131,6 +134,11 @@ def test_valid_metrics_path_passes():
             {"METRICS": "django_pglock.NoSuchClass"}, ["django_pglock.E008"], id="E008-attr"
         ),
         pytest.param({"METRICS": 42}, ["django_pglock.E008"], id="E008-not-a-path"),
+        pytest.param({"SCHEDULE_TOLERANCE": -0.5}, ["django_pglock.E012"], id="E012-negative"),
+        pytest.param({"SCHEDULE_TOLERANCE": 31}, ["django_pglock.E012"], id="E012-too-big"),
+        pytest.param({"SCHEDULE_TOLERANCE": "5"}, ["django_pglock.E012"], id="E012-string"),
+        pytest.param({"SCHEDULE_TOLERANCE": True}, ["django_pglock.E012"], id="E012-bool"),
+        pytest.param({"SCHEDULE_TOLERANCE": float("nan")}, ["django_pglock.E012"], id="E012-nan"),
         pytest.param(
             {"STALE": 1, "POLL_INTERVAL": -1, "ADVISORY": "no", "DATABASE": "sqlite"},
             [
@@ -158,6 +166,8 @@ def test_messages_name_the_bad_value():
     assert "'nope'" in message.msg and "'default'" in message.hint
     (message,) = check({"DATABASE": "sqlite"})
     assert "'sqlite'" in message.msg
+    (message,) = check({"SCHEDULE_TOLERANCE": 90})
+    assert "SCHEDULE_TOLERANCE" in message.msg and "90" in message.msg
 
 
 def test_out_of_order_thresholds_name_the_values_and_the_rule():

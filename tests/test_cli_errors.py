@@ -113,7 +113,7 @@ def test_check_with_database_reports_an_unreachable_lock_database(child_env, pg_
     with Procs(env_with_url(child_env, url)) as procs:
         result = procs.run_django("check", "--database", "default")
     assert result.returncode == 1
-    assert "django_pglock.E012" in result.stderr and "'default'" in result.stderr
+    assert "django_pglock.E013" in result.stderr and "'default'" in result.stderr
     assert "Traceback" not in result.stderr
     assert PASSWORD not in result.stdout + result.stderr
 
@@ -165,3 +165,42 @@ def test_a_wait_that_expires_says_it_gave_up_and_who_holds(procs, pg_url, test_d
         assert conn.execute(
             "SELECT count(*) FROM django_pglock_joblock WHERE name = %s", [name]
         ).fetchone() == (0,)
+
+
+# -- issue 12, item 6: a multi-host DSN says what each host answered -----------------------
+
+
+@pytest.mark.slow
+def test_a_multi_host_failure_names_each_hosts_answer():
+    from django_pglock.failures import describe_hosts
+    from tests import faultkit
+
+    server = faultkit.shared_server()  # on TCP: a second host of the same DSN
+    role = f"pglock_nologin_{uuid.uuid4().hex[:8]}"
+    with server.connect("postgres") as admin:
+        admin.execute(
+            sql.SQL("CREATE ROLE {} NOLOGIN PASSWORD {}").format(
+                sql.Identifier(role), sql.Literal(PASSWORD)
+            )
+        )
+        try:
+            dead = closed_port()
+            params = {
+                "host": "127.0.0.1,127.0.0.1",
+                "port": f"{dead},{server.port}",
+                "user": role,
+                "password": PASSWORD,
+                "dbname": "postgres",
+                "connect_timeout": 5,
+            }
+            with pytest.raises(psycopg.OperationalError):
+                psycopg.connect(**params)
+            said = describe_hosts(params, psycopg.connect)
+        finally:
+            admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+    first, second = said.split("; ")
+    assert first.startswith(f"127.0.0.1:{dead}: ") and "refused" in first.lower(), said
+    assert second.startswith(f"127.0.0.1:{server.port}: "), said
+    assert "not permitted to log in" in second, said
+    assert PASSWORD not in said
+    assert describe_hosts({**params, "host": "127.0.0.1", "port": str(dead)}, None) is None

@@ -20,6 +20,7 @@ from django.db import DatabaseError, connections
 
 from django_pglock.conf import get_setting, validate_alias
 from django_pglock.exceptions import LockError, LockNotAcquired, LockNotHeld
+from django_pglock.failures import first_line
 from django_pglock.identity import redact
 
 __all__ = ["EXIT_CONFIG", "database_option", "reports_database_errors"]
@@ -58,11 +59,6 @@ def database_option(value: str | None) -> str:
     return value
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0].rstrip(".") if text else type(exc).__name__
-
-
 def _missing_table(exc: BaseException) -> bool:
     seen: BaseException | None = exc
     while seen is not None:
@@ -75,12 +71,12 @@ def _missing_table(exc: BaseException) -> bool:
 def describe_database_error(exc: BaseException, alias: str) -> str:
     """One line for ``exc``: the alias, the cause (redacted) and what to do."""
     if isinstance(exc, LockError):  # already names the alias and what to check
-        return redact(_first_line(exc)) + "."
+        return redact(first_line(exc).rstrip(".")) + "."
     if _missing_table(exc):
         hint = f"Run 'manage.py migrate django_pglock --database {alias}'."
     else:
         hint = f"Check DATABASES[{alias!r}] and that the server is up."
-    return f"Database alias {alias!r} cannot be used: {redact(_first_line(exc))}. {hint}"
+    return f"Database alias {alias!r} cannot be used: {redact(first_line(exc).rstrip('.'))}. {hint}"
 
 
 def reports_database_errors(handle: Handle) -> Handle:

@@ -13,6 +13,7 @@ __all__ = [
     "END_ABANDONED",
     "GUARD",
     "HEARTBEAT",
+    "PARENT_GRANT",
     "RELEASE",
     "RELEASE_GUARDED",
     "RELEASE_GUARDED_RECORDED",
@@ -140,6 +141,12 @@ DISABLE_ADVISORY = f"UPDATE {_T} SET advisory = false WHERE token = ANY(%(tokens
 
 # Is the row still ours? A plain snapshot read.
 CHECK = f"SELECT EXISTS (SELECT 1 FROM {_T} WHERE name = %(name)s AND token = %(token)s)"
+
+# The grant a locked_run passed to its job (DJANGO_PGLOCK_NAME/_TOKEN), if still current:
+# a plain snapshot read; the caller checks that its holder is an ancestor on this host.
+PARENT_GRANT = f"""
+SELECT holder, host, pid, acquired_at FROM {_T} WHERE name = %(name)s AND token = %(token)s
+"""
 
 # Run in the caller's transaction: KEY SHARE blocks reclaims (FOR UPDATE) and deletes
 # until that transaction ends, and does not block the holder's heartbeats.

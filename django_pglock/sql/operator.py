@@ -7,9 +7,13 @@ from .names import RUNS as _RUNS
 from .names import TABLE_SQL as _T
 from .names import quote_name
 
+_CLAIMS = quote_name("django_pglock_scheduleclaim")
+
 __all__ = [
     "CLAIM_SLOT",
+    "CLAIM_SLOT_UNDER",
     "FINISH_LOST_RUN",
+    "FINISH_SKIPPED_RUN",
     "FORCE_RELEASE",
     "HOLDER",
     "NOW",
@@ -18,14 +22,25 @@ __all__ = [
     "RECORD_SKIPPED",
 ]
 
-# A skipped run of a recorded job: one finished row.
+# A skipped call of a recorded job that was not granted the lock: one finished row, with
+# the reason (held, timed-out).
 RECORD_SKIPPED = f"""
 INSERT INTO {_RUNS} (name, holder, host, pid, description, started_at, finished_at, duration,
-                     outcome)
-VALUES (%(name)s, %(holder)s, %(host)s, %(pid)s, %(description)s, now(), now(), 0, 'skipped')
+                     outcome, reason)
+VALUES (%(name)s, %(holder)s, %(host)s, %(pid)s, %(description)s, now(), now(), 0, 'skipped',
+        %(reason)s)
 """
 
-# Pruning: run history and schedule claims older than the cutoff (database clock).
+# A granted call that did not run its body (its schedule slot had already started): the
+# run its grant started ends as skipped, with the reason. The release statement leaves a
+# finished run as it is.
+FINISH_SKIPPED_RUN = f"""
+UPDATE {_RUNS} SET finished_at = now(), outcome = 'skipped', reason = %(reason)s,
+    duration = extract(epoch FROM now() - started_at)::float8
+WHERE id = %(run_id)s AND finished_at IS NULL
+"""
+
+# Pruning: run history older than the cutoff (database clock), except a run still going on.
 PRUNE_RUNS = f"""
 DELETE FROM {_RUNS} r
 WHERE coalesce(r.finished_at, r.started_at) < now() - %(age)s * interval '1 second'
@@ -41,9 +56,12 @@ UPDATE {_RUNS} SET finished_at = now(), outcome = 'lost',
     duration = extract(epoch FROM now() - started_at)::float8
 WHERE name = %(name)s AND token = %(token)s AND finished_at IS NULL
 """
+# Schedule claims older than the cutoff, except the latest slot claimed for each job: that
+# one may still be the current slot, and without it the slot would start again.
 PRUNE_CLAIMS = f"""
-DELETE FROM {quote_name("django_pglock_scheduleclaim")}
-WHERE claimed_at < now() - %(age)s * interval '1 second'
+DELETE FROM {_CLAIMS} c
+WHERE c.claimed_at < now() - %(age)s * interval '1 second'
+  AND EXISTS (SELECT 1 FROM {_CLAIMS} n WHERE n.name = c.name AND n.slot > c.slot)
 RETURNING 1
 """
 
@@ -80,6 +98,20 @@ WITH pruned AS (
 INSERT INTO {quote_name("django_pglock_scheduleclaim")} (name, slot, holder, claimed_at)
 VALUES (%(name)s, %(slot)s, %(holder)s, now())
 ON CONFLICT (name, slot) DO NOTHING
+RETURNING id
+"""
+
+# The same claim for a job running under its parent's grant (locked_run --schedule may have
+# claimed the slot already): a slot the parent's holder claimed counts as this run's. The
+# no-op update returns the parent's row in the same statement; anyone else's claim wins.
+CLAIM_SLOT_UNDER = f"""
+WITH pruned AS (
+    DELETE FROM {quote_name("django_pglock_scheduleclaim")}
+    WHERE name = %(name)s AND slot < %(slot)s - interval '7 days'
+)
+INSERT INTO {quote_name("django_pglock_scheduleclaim")} AS c (name, slot, holder, claimed_at)
+VALUES (%(name)s, %(slot)s, %(holder)s, now())
+ON CONFLICT (name, slot) DO UPDATE SET holder = c.holder WHERE c.holder = %(parent)s
 RETURNING id
 """
 

@@ -28,6 +28,7 @@ from django_pglock.exceptions import LockNotHeld
 from django_pglock.identity import redact
 from django_pglock.lock import Lease, Lock
 from django_pglock.management.cli import database_option, reports_database_errors
+from django_pglock.runs import SkipReason, record_skipped
 from django_pglock.schedule import ScheduleSlot
 from django_pglock.supervisor import GuardedJob, JobNotStarted
 
@@ -181,13 +182,14 @@ class Command(BaseCommand):
                         )
                     else:
                         self.stderr.write(f"Skipped {shown!r}: lock {name!r} is held by {who}.")
-                    if record:
-                        lock._record_skipped()
+                    reason = SkipReason.TIMED_OUT if options["wait"] else SkipReason.HELD
+                    record_skipped(lock, reason)
                 elif slot is not None and not slot.claim():
                     self.stderr.write(
                         f"Skipped {shown!r}: schedule slot {slot.slot_label} of {name!r} "
                         "has already started elsewhere."
                     )
+                    record_skipped(lock, SkipReason.SLOT_TAKEN, lease)
                 else:
                     code = self._supervise(lease, child_argv, options)
                     lease.exit_code = code

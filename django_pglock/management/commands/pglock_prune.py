@@ -1,4 +1,4 @@
-"""``manage.py pglock_prune --older-than 30d``: forget old run history."""
+"""``manage.py pglock_prune --older-than 30d``: forget old run history and schedule claims."""
 
 from __future__ import annotations
 
@@ -27,7 +27,11 @@ def parse_age(text: str) -> float:
 
 
 class Command(BaseCommand):
-    help = "Delete run history (JobRun) and schedule claims older than --older-than."
+    help = (
+        "Delete run history (JobRun) and schedule claims older than --older-than. Kept "
+        "whatever their age: runs still going on, and the latest slot claimed by each job "
+        "(it may still be the current slot, which would otherwise start again)."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--older-than", required=True, help="Age such as 30d, 12h or 90m.")

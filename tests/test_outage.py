@@ -1,0 +1,113 @@
+"""A blocking acquire rides through a server crash and restart; only its timeout ends it
+(issue 12, item 1). A non-blocking attempt raises ``DatabaseUnavailable`` at once.
+
+Real worker processes, the fault suite's own server (crashed with ``pg_ctl stop -m
+immediate`` and started again here).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+
+import pytest
+
+from tests import faultkit
+from tests.faultkit import Db, procs_fixture, worker_env  # noqa: F401  (fixture "procs")
+
+pytestmark = pytest.mark.slow
+
+# Holds argv[1] on the advisory path until killed; says HELD <token>.
+HOLDER = """
+import sys, time
+import django
+django.setup()
+from django_pglock import Lock
+lease = Lock(sys.argv[1]).try_acquire()
+print("HELD", lease.token, flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+# Waits for argv[1] up to argv[2] seconds (blocking=argv[3]); says what became of it.
+WAITER = """
+import sys, time
+import django
+django.setup()
+from django_pglock import DatabaseUnavailable, Lock
+name, timeout, blocking = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "blocking"
+started = time.monotonic()
+print("WAITING", flush=True)
+try:
+    if blocking:
+        with Lock(name, poll_interval=0.2).acquire(blocking=True, timeout=timeout) as lease:
+            print("GRANTED", lease.token if lease else None, flush=True)
+    else:
+        lease = Lock(name).try_acquire()
+        print("GRANTED", lease.token if lease else None, flush=True)
+except DatabaseUnavailable as exc:
+    print("UNAVAILABLE", round(time.monotonic() - started, 2), exc, flush=True)
+"""
+
+
+@pytest.fixture
+def pg():
+    server = faultkit.shared_server()
+    yield server
+    server.ensure_running()
+
+
+@pytest.fixture
+def db(pg):
+    session = Db(pg.url())
+    yield session
+    session.close()
+
+
+def unique(label):
+    return f"outage-{label}-{uuid.uuid4().hex[:8]}"
+
+
+def test_a_blocking_waiter_rides_through_a_crash_and_restart(pg, db, procs):
+    env = worker_env(pg.url())
+    name = unique("ride")
+    holder = procs.start(sys.executable, "-c", HOLDER, name, env=env)
+    held = int(holder.expect("HELD").split()[1])
+    waiter = procs.start(sys.executable, "-c", WAITER, name, "120", "blocking", env=env)
+    waiter.expect("WAITING")
+    assert db.row(name)["token"] == held
+    pg.stop("immediate")
+    down_at = time.monotonic()
+    # While the server is down, the waiter keeps waiting: it neither ends nor raises.
+    assert waiter.line_within("", 1.5) is None, waiter.stderr_text
+    pg.start()
+    line = waiter.expect("GRANTED", 60)
+    granted = int(line.split()[1])
+    took = time.monotonic() - down_at
+    assert granted > held, line  # the dead holder's row was taken over, not repeated
+    assert waiter.finish() == 0, waiter.stderr_text
+    assert "Traceback" not in waiter.stderr_text
+    assert "the database is unavailable" in waiter.stderr_text  # said once, as a warning
+    assert "answers again" in waiter.stderr_text
+    print(f"waiter granted {took:.2f} s after the crash (server down for 1.5 s)")
+
+
+def test_only_the_timeout_ends_a_wait_on_a_server_that_is_down(pg, procs):
+    env = worker_env(pg.url())
+    name = unique("down")
+    pg.stop("immediate")
+    try:
+        waiter = procs.start(sys.executable, "-c", WAITER, name, "1.5", "blocking", env=env)
+        line = waiter.expect("UNAVAILABLE", 60, skip=("WAITING",))
+        waited = float(line.split()[1])
+        assert waited >= 1.5, line
+        assert "Gave up waiting after 1.5 s" in line, line
+        assert waiter.finish() == 0
+
+        once = procs.start(sys.executable, "-c", WAITER, name, "0", "once", env=env)
+        line = once.expect("UNAVAILABLE", 60, skip=("WAITING",))
+        assert float(line.split()[1]) < 15, line  # at once: libpq's refusal, no retry
+        assert "Check DATABASES['default']" in line, line
+    finally:
+        pg.start()
