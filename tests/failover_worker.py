@@ -22,6 +22,9 @@ Commands (stdout is a line protocol, one flushed line per message):
     first attempt was refused, then ``GRANTED <token> <time.time()> <seconds waited>`` or
     ``TIMEOUT``. Holds until a ``release`` line or EOF (``RELEASED``). A ``LockError``
     escaping the wait prints ``ERROR LockError: <message>`` and exits 3.
+Options: thresholds, ``--poll-interval``, ``--advisory on|off``, and ``--record`` (the
+lock keeps a run history).
+
 ``try``
     Prints ``READY``; each ``go`` line makes one non-blocking attempt and prints ``TRIED
     ACQUIRED <token> <seconds>`` (then releases it), ``TRIED REFUSED - <seconds>`` or
@@ -55,6 +58,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--stale-after", type=float, default=None)
     parser.add_argument("--poll-interval", type=float, default=None)
     parser.add_argument("--advisory", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--record", action="store_true", help="keep a run history")
     return parser.parse_args(argv)
 
 
@@ -68,7 +72,7 @@ def make_lock(args: argparse.Namespace, name: str) -> Any:
             options[option] = value
     if args.advisory != "auto":
         options["advisory"] = args.advisory == "on"
-    return Lock(name, **options)
+    return Lock(name, record=args.record, **options)
 
 
 def lines() -> Any:

@@ -16,223 +16,32 @@ multi-host URL with ``target_session_attrs=read-write``.
 
 Cleanup stops both servers and removes their directories, at :meth:`~ReplicatedPair.close`,
 at exit, and through a watcher process if the test process is killed (``faultkit.Reaper``).
-The lock tables are migrated once per run into a template data directory that every pair's
-primary is copied from. A missing prerequisite fails under CI and skips elsewhere
-(``faultkit.require``).
+The servers themselves, and the template their primary is copied from, are tests/pgnode.py's.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
-import pwd
 import shutil
 import signal
 import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-import psycopg
-
 from tests import faultkit
-
-MAJOR = "15"
-BINDIR = Path(os.environ.get("PGLOCK_FAILOVER_BINDIR", f"/usr/lib/postgresql/{MAJOR}/bin"))
-TOOLS = ("initdb", "pg_ctl", "postgres", "pg_basebackup")
-SERVER_USER = "postgres"  # Debian's; PostgreSQL refuses to run as root
-DB_NAME = faultkit.DB_NAME
-HOST = "127.0.0.1"
-READY_TIMEOUT = 60.0  # for a server to start, a standby to stream, a promotion to finish
-
-# Both servers: TCP on loopback only. fsync is off because `-m immediate` is a crash of the
-# server, not of the operating system: nothing the server wrote is lost with it.
-SETTINGS = {
-    "listen_addresses": HOST,
-    "unix_socket_directories": "",
-    "max_connections": "100",
-    "fsync": "off",
-    "full_page_writes": "off",
-    "shared_buffers": "32MB",
-    "wal_level": "replica",
-    "max_wal_senders": "5",
-    "hot_standby": "on",
-    "log_min_messages": "warning",
-}
-
-
-def _run_as() -> dict[str, object]:
-    """subprocess keyword arguments: as root, run as the server's system user."""
-    if os.geteuid() != 0:
-        return {}
-    entry = pwd.getpwnam(SERVER_USER)
-    return {"user": entry.pw_uid, "group": entry.pw_gid}
-
-
-def require_binaries() -> None:
-    """PostgreSQL 15's server programs and, as root, the user to run them as."""
-    missing = [tool for tool in TOOLS if not os.access(BINDIR / tool, os.X_OK)]
-    faultkit.require(
-        not missing,
-        f"PostgreSQL {MAJOR}'s {', '.join(missing)} not found in {BINDIR}; install Debian's "
-        f"postgresql-{MAJOR} (apt-get install -y postgresql-{MAJOR}, as .ci/run does)",
-    )
-    if os.geteuid() == 0:
-        try:
-            pwd.getpwnam(SERVER_USER)
-        except KeyError:
-            faultkit.require(False, f"no {SERVER_USER!r} system user to run PostgreSQL as")
-
-
-def _tool(tool: str, *args: str, cwd: Path, timeout: float = READY_TIMEOUT) -> None:
-    """Run a PostgreSQL program; raise with its output (and nothing else) on failure."""
-    # Output to a file, not a pipe: a server started by pg_ctl would inherit the pipe.
-    with tempfile.TemporaryFile("w+") as out:
-        result = subprocess.run(
-            [str(BINDIR / tool), *args],
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=timeout,
-            check=False,
-            **_run_as(),  # type: ignore[arg-type]
-        )
-        out.seek(0)
-        output = out.read()
-    if result.returncode != 0:
-        raise RuntimeError(f"{tool} {' '.join(args)} exited with {result.returncode}:\n{output}")
-
-
-def _private_dir(prefix: str) -> Path:
-    """A new directory under /tmp (every parent enterable) owned by the server's user."""
-    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-    if os.geteuid() == 0:
-        entry = pwd.getpwnam(SERVER_USER)
-        os.chown(root, entry.pw_uid, entry.pw_gid)
-    return root
-
-
-def _append_settings(pgdata: Path, settings: dict[str, str], why: str) -> None:
-    """Append ``settings`` to postgresql.conf (later lines win over earlier ones)."""
-    with open(pgdata / "postgresql.conf", "a", encoding="utf-8") as conf:
-        conf.write(f"\n# tests/standby.py: {why}\n")
-        for key, value in settings.items():
-            conf.write(f"{key} = '{value}'\n")
-
-
-class Node:
-    """One server of the pair: its data directory, port and log."""
-
-    def __init__(self, root: Path, label: str, port: int) -> None:
-        self.label = label
-        self.pgdata = root / label
-        self.logfile = root / f"{label}.log"
-        self.port = port
-
-    def __repr__(self) -> str:
-        return f"<{self.label} 127.0.0.1:{self.port}>"
-
-    def pg_ctl(self, *args: str) -> None:
-        _tool("pg_ctl", "-D", str(self.pgdata), "-w", "-t", "60", *args, cwd=self.pgdata.parent)
-
-    def start(self) -> None:
-        try:
-            self.pg_ctl("-l", str(self.logfile), "start")
-        except RuntimeError as exc:
-            raise RuntimeError(f"{exc}\n{self.label} log (tail):\n{self.log_tail()}") from None
-
-    def stop(self, mode: str = "fast") -> None:
-        """Stop the server if it runs; never raises."""
-        if (self.pgdata / "postmaster.pid").exists():
-            with contextlib.suppress(RuntimeError, OSError, subprocess.SubprocessError):
-                self.pg_ctl("-m", mode, "stop")
-
-    def url(self, dbname: str = DB_NAME) -> str:
-        return f"postgresql://postgres@{HOST}:{self.port}/{dbname}"
-
-    def connect(self, dbname: str = DB_NAME) -> psycopg.Connection:
-        return psycopg.connect(self.url(dbname), autocommit=True, connect_timeout=5)
-
-    def query(self, statement: str, params: list[object] | None = None) -> list[tuple]:
-        """Rows of one statement (none for a command) on a short session of its own."""
-        with self.connect() as conn:
-            cur = conn.execute(statement, params)
-            return cur.fetchall() if cur.description is not None else []
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.logfile.read_text(errors="replace")[-chars:] if self.logfile.exists() else ""
-
-    def argv_stop_immediate(self) -> list[str]:
-        """The watcher's stop command (as the server's user when run by root)."""
-        argv = [str(BINDIR / "pg_ctl"), "-D", str(self.pgdata), "-m", "immediate", "stop"]
-        return ["runuser", "-u", SERVER_USER, "--", *argv] if os.geteuid() == 0 else argv
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.02):  # type: ignore[no-untyped-def]
-    """The first truthy value of ``predicate()`` within ``timeout`` s; raise naming
-    ``what`` otherwise. A psycopg error counts as a falsy value (a server coming up)."""
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while True:
-        try:
-            value = predicate()
-        except psycopg.Error as exc:
-            value, last = None, exc
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout:g} s (last error: {last})")
-        time.sleep(interval)
-
-
-_template: Path | None = None
-
-
-def _template_pgdata() -> Path:
-    """A stopped data directory with the ``faults`` database and the lock tables,
-    made once per run (initdb and migrate are the slow part of a pair)."""
-    global _template
-    if _template is not None:
-        return _template
-    root = _private_dir("pglock-failover-template-")
-    reaper = faultkit.Reaper(paths=[str(root)])
-    atexit.register(lambda: (shutil.rmtree(root, ignore_errors=True), reaper.stop()))
-    node = Node(root, "data", faultkit.free_port())
-    initdb = ["-D", str(node.pgdata), "-U", "postgres", "--auth=trust", "--encoding=UTF8"]
-    _tool("initdb", *initdb, "--no-locale", "--no-sync", "--no-instructions", cwd=root)
-    _append_settings(node.pgdata, SETTINGS, "both servers")
-    _append_settings(node.pgdata, {"port": str(node.port)}, "the template's own run")
-    node.start()
-    try:
-        with node.connect("postgres") as conn:
-            conn.execute(f'CREATE DATABASE "{DB_NAME}"')
-        migrate = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "django",
-                "migrate",
-                "django_pglock",
-                "--noinput",
-                "--skip-checks",
-            ],
-            cwd=faultkit.REPO_ROOT,
-            env=faultkit.worker_env(node.url()),
-            capture_output=True,
-            text=True,
-            timeout=180,
-            check=False,
-        )
-        if migrate.returncode != 0:
-            raise RuntimeError(f"migrate failed:\n{migrate.stdout}\n{migrate.stderr}")
-    finally:
-        node.stop("fast")
-    _template = node.pgdata
-    return _template
+from tests.pgnode import (
+    DB_NAME,
+    HOST,
+    READY_TIMEOUT,
+    Node,
+    append_settings,
+    private_dir,
+    require_binaries,
+    run_tool,
+    template_pgdata,
+    wait_for,
+)
 
 
 class ReplicatedPair:
@@ -241,16 +50,25 @@ class ReplicatedPair:
     ``sync``: the standby is synchronous (a commit returns once the standby has it).
     ``inherit_sync``: the standby keeps the primary's ``synchronous_standby_names``.
     ``lag_proxy``: the standby streams through a ``faultkit.TcpProxy``, so that
-    :meth:`stall_replication` can make it fall behind. Use as a context manager, or call
-    :meth:`close`.
+    :meth:`stall_replication` can make it fall behind. ``remote_apply`` (with ``sync``):
+    the primary's ``synchronous_commit`` is ``remote_apply``, so that after
+    :meth:`delay_replay` a commit the standby has received still waits on the primary.
+    Use as a context manager, or call :meth:`close`.
     """
 
-    def __init__(self, *, sync: bool, inherit_sync: bool = False, lag_proxy: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        sync: bool,
+        inherit_sync: bool = False,
+        lag_proxy: bool = False,
+        remote_apply: bool = False,
+    ) -> None:
         require_binaries()
         self.sync = sync
         self.mode = "sync" if sync else "async"
-        template = _template_pgdata()
-        self.root = _private_dir(f"pglock-failover-{self.mode}-")
+        template = template_pgdata()
+        self.root = private_dir(f"pglock-failover-{self.mode}-")
         self.primary = Node(self.root, "primary", faultkit.free_port())
         self.standby = Node(self.root, "standby", faultkit.free_port())
         self._reaper = faultkit.Reaper(
@@ -264,22 +82,24 @@ class ReplicatedPair:
         self.down_at: float | None = None  # time.time(): the old primary had stopped
         self.promoted_at: float | None = None  # time.time(): the standby took writes
         try:
-            self._start(template, inherit_sync)
+            self._start(template, inherit_sync, remote_apply)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, template: Path, inherit_sync: bool) -> None:
+    def _start(self, template: Path, inherit_sync: bool, remote_apply: bool) -> None:
         # cp -a keeps the owner (the server's user) and the 0700 mode PostgreSQL wants.
         subprocess.run(["cp", "-a", str(template), str(self.primary.pgdata)], check=True)
         primary = {"port": str(self.primary.port)}
         if self.sync:
             primary["synchronous_standby_names"] = "*"
-        _append_settings(self.primary.pgdata, primary, f"the primary ({self.mode})")
+        if remote_apply:
+            primary["synchronous_commit"] = "remote_apply"
+        append_settings(self.primary.pgdata, primary, f"the primary ({self.mode})")
         self.primary.start()
         # -R writes the port it used into primary_conninfo: the proxy's, if there is one.
         port = self.primary.port if self.replication is None else self.replication.port
-        _tool(
+        run_tool(
             "pg_basebackup",
             *("-h", HOST, "-p", str(port), "-U", "postgres"),
             *("-D", str(self.standby.pgdata), "-R", "-X", "stream", "-c", "fast", "--no-sync"),
@@ -288,7 +108,7 @@ class ReplicatedPair:
         standby = {"port": str(self.standby.port)}
         if not inherit_sync:  # what a failover manager does before it promotes
             standby["synchronous_standby_names"] = ""
-        _append_settings(self.standby.pgdata, standby, "the standby")
+        append_settings(self.standby.pgdata, standby, "the standby")
         self.standby.start()
         wanted = "sync" if self.sync else "async"
         wait_for(
@@ -320,6 +140,27 @@ class ReplicatedPair:
             lambda: self.standby.query(replayed, [str(lsn)])[0][0],
             timeout,
             f"the standby replaying up to {lsn}",
+        )
+
+    def wait_received(self, timeout: float = READY_TIMEOUT) -> None:
+        """Until the standby has received (and flushed) all the primary has written."""
+        (lsn,) = self.primary.query("SELECT pg_current_wal_lsn()")[0]
+        received = "SELECT pg_last_wal_receive_lsn() >= %s::pg_lsn"
+        wait_for(
+            lambda: self.standby.query(received, [str(lsn)])[0][0],
+            timeout,
+            f"the standby receiving up to {lsn}",
+        )
+
+    def delay_replay(self) -> None:
+        """The standby goes on receiving WAL but replays no further commit (an hour's
+        ``recovery_min_apply_delay``); a promotion replays what it held back."""
+        append_settings(self.standby.pgdata, {"recovery_min_apply_delay": "1h"}, "delay")
+        self.standby.query("SELECT pg_reload_conf()")
+        wait_for(
+            lambda: self.standby.query("SHOW recovery_min_apply_delay")[0][0] == "1h",
+            READY_TIMEOUT,
+            "the standby delaying its replay",
         )
 
     def stall_replication(self) -> None:
