@@ -16,7 +16,10 @@ Commands (stdout is a line protocol, one flushed line per message):
     <time.time()>``. Lines: ``release`` releases every lease in turn, printing
     ``RELEASED <token> <time.time()>`` once ``release()`` returned, or ``RELEASE_FAILED
     <token> <exception class>``, then ``RELEASED_ALL``; ``check`` prints ``OK <token>`` or
-    ``LOST <token>`` per lease (``lease.check()``). EOF releases what is left and exits 0.
+    ``LOST <token>`` per lease (``lease.check()``); ``guard`` runs ``lease.guard()`` for the
+    first lease in a ``transaction.atomic()`` on Django's own connection: ``GUARDED
+    <token>`` or ``GUARD_FAILED <exception class>``; ``close_old`` calls Django's
+    ``close_old_connections()`` (``CLOSED``). EOF releases what is left and exits 0.
 ``wait``
     One blocking ``acquire(timeout=--timeout)``: prints ``READY``, ``CONTENDED`` once the
     first attempt was refused, then ``GRANTED <token> <time.time()> <seconds waited>`` or
@@ -123,6 +126,21 @@ class Holding:
         say("RELEASED_ALL")
 
 
+def guard(lease: Any) -> tuple[object, ...]:
+    """``lease.guard()`` in a transaction of its own on Django's connection."""
+    from django.db import DatabaseError, transaction
+
+    from django_pglock import LockError
+
+    try:
+        with transaction.atomic(using=lease.using):
+            lease.guard()
+    except (DatabaseError, LockError) as exc:
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return ("GUARD_FAILED", type(exc).__name__)
+    return ("GUARDED", lease.token)
+
+
 def cmd_hold(args: argparse.Namespace) -> int:
     from django_pglock import LockNotHeld
 
@@ -141,6 +159,13 @@ def cmd_hold(args: argparse.Namespace) -> int:
     for line in lines():
         if line == "release":
             holding.release_all()
+        elif line == "guard":
+            say(*guard(holding.leases[0]))
+        elif line == "close_old":
+            from django.db import close_old_connections
+
+            close_old_connections()
+            say("CLOSED")
         elif line == "check":
             for lease in holding.leases:
                 try:

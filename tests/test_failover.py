@@ -164,6 +164,36 @@ def test_table_path_holder_rides_through_a_failover(pairs, procs, log):
     assert [g.token for g in all_grants] == [held, taken]
 
 
+def test_guard_needs_close_old_connections_after_a_failover(pairs, procs, log):
+    """``lease.guard()`` runs on Django's own connection, which Django does not reopen by
+    itself outside a request: after the failover it fails there (the lease is still
+    held, on the table path), and after ``close_old_connections()`` it fences a
+    transaction on the new primary."""
+    pair = pairs(sync=False)
+    env = worker_env(pair.dsn())
+    name = unique("guard")
+    holder = client(procs, env, "hold", name, log, *RIDE, "--advisory", "off")
+    held = int(words(holder.expect("GRANTED", 60))[1])
+    holder.expect("READY")
+    holder.send("guard")
+    assert holder.expect("GUARDED", EVENT) == f"GUARDED {held}"  # Django's connection is open
+    pair.wait_replayed()
+    pair.fail_over()
+    holder.send("guard")
+    failed = holder.expect("GUARD_FAILED", EVENT)
+    holder.send("check")
+    assert holder.expect("OK", EVENT) == f"OK {held}", "the lease itself rode through"
+    holder.send("close_old")
+    holder.expect("CLOSED", EVENT)
+    holder.send("guard")
+    assert holder.expect("GUARDED", EVENT) == f"GUARDED {held}"
+    print(f"[measure] guard() on Django's connection after the failover: {failed}")
+    holder.send("release")
+    holder.expect("RELEASED_ALL", EVENT, skip=("RELEASED",))
+    finish(holder)
+    assert row(pair.standby, name) is None
+
+
 # -- 3. a release just before the crash ------------------------------------------------
 
 
