@@ -53,7 +53,7 @@ class ReplicatedPair:
     :meth:`stall_replication` can make it fall behind. ``remote_apply`` (with ``sync``):
     the primary's ``synchronous_commit`` is ``remote_apply``, so that after
     :meth:`delay_replay` a commit the standby has received still waits on the primary.
-    Use as a context manager, or call :meth:`close`.
+    :meth:`close` stops both (at exit too).
     """
 
     def __init__(
@@ -218,9 +218,3 @@ class ReplicatedPair:
             self.replication.close()
         shutil.rmtree(self.root, ignore_errors=True)
         self._reaper.stop()
-
-    def __enter__(self) -> ReplicatedPair:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
