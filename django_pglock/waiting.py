@@ -15,7 +15,7 @@ from .exceptions import DatabaseUnavailable
 if TYPE_CHECKING:
     from .lock import Lock
 
-__all__ = ["RETRY_FIRST", "RETRY_MAX", "Waiter"]
+__all__ = ["RETRY_FIRST", "RETRY_MAX", "WARN_EVERY", "Waiter"]
 
 logger = logging.getLogger("django_pglock")
 
@@ -24,6 +24,8 @@ logger = logging.getLogger("django_pglock")
 #: to half).
 RETRY_FIRST = 0.1
 RETRY_MAX = 2.0
+#: While the database stays unavailable, a waiter warns again every this many seconds.
+WARN_EVERY = 60.0
 
 
 class Waiter:
@@ -47,6 +49,7 @@ class Waiter:
         self.deadline = None if timeout is None else self.started + timeout
         self.outage: float | None = None  # since when the database is unavailable
         self.failures = 0  # failed attempts in a row, for the backoff
+        self.warned_at = 0.0  # when the outage was last logged
 
     def current_holder(self) -> dict[str, Any] | None:
         """The holder seen by the last refused attempt; read now if it committed after
@@ -81,14 +84,18 @@ class Waiter:
         if not self.blocking:
             raise exc
         now = time.monotonic()
-        if self.outage is None:
-            self.outage = now
+        if self.outage is None or now - self.warned_at >= WARN_EVERY:
+            # Once when the outage starts, then every WARN_EVERY seconds: a cause that
+            # does not go away (a wrong password) is not waited out in silence.
+            self.outage = now if self.outage is None else self.outage
+            self.warned_at = now
             name = self.lock.name if self.lock is not None else "?"
             logger.warning(
-                "django_pglock: waiting for lock %r: the database is unavailable (%s); "
-                "retrying until the timeout.",
+                "django_pglock: waiting for lock %r: the database is unavailable (%s) for "
+                "%.0f s; retrying until the timeout.",
                 name,
                 exc,
+                now - self.outage,
             )
         self.failures += 1
         delay: float = min(RETRY_MAX, RETRY_FIRST * 2.0 ** (self.failures - 1))

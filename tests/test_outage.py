@@ -111,3 +111,34 @@ def test_only_the_timeout_ends_a_wait_on_a_server_that_is_down(pg, procs):
         assert "Check DATABASES['default']" in line, line
     finally:
         pg.start()
+
+
+def test_the_backoff_grows_is_bounded_and_warns_again_while_the_outage_lasts(caplog, monkeypatch):
+    from django_pglock import DatabaseUnavailable, Lock, waiting
+
+    waiter = Lock("backoff").acquire(blocking=True, timeout=None)._waiter
+    exc = DatabaseUnavailable("server closed the connection unexpectedly")
+    with caplog.at_level("WARNING", logger="django_pglock"):
+        delays = [waiter.unavailable(exc) for _ in range(12)]
+    assert delays[0] <= waiting.RETRY_FIRST
+    assert all(d <= waiting.RETRY_MAX for d in delays)
+    assert max(delays[-4:]) >= waiting.RETRY_MAX / 2  # it grew to the cap
+    assert len(caplog.records) == 1  # one warning for the outage, not one per retry
+    monkeypatch.setattr(waiting, "WARN_EVERY", 0.0)
+    with caplog.at_level("WARNING", logger="django_pglock"):
+        waiter.unavailable(exc)
+    assert len(caplog.records) == 2 and "unavailable" in caplog.records[-1].getMessage()
+    waiter.answered()
+    assert "answers again" in caplog.records[-1].getMessage()
+    assert waiter.failures == 0 and waiter.outage is None
+
+    once = Lock("backoff").acquire(blocking=False)._waiter
+    with pytest.raises(DatabaseUnavailable) as raised:
+        once.unavailable(exc)
+    assert raised.value is exc  # a non-blocking attempt: at once, unchanged
+
+    timed = Lock("backoff").acquire(blocking=True, timeout=5)._waiter
+    timed.deadline = time.monotonic() - 0.001  # its timeout has passed
+    with pytest.raises(DatabaseUnavailable, match="Gave up waiting after 5 s") as raised:
+        timed.unavailable(exc)
+    assert raised.value.__cause__ is exc
