@@ -16,8 +16,9 @@ def parse_database_url(url: str) -> dict[str, Any]:
     """Turn a libpq-style URL into a Django DATABASES entry for the PostgreSQL backend.
 
     ``postgres://`` and ``postgresql://`` (also with a ``+driver`` suffix) are accepted.
-    A ``host`` query parameter (a socket directory) overrides the network location's host;
-    every other query parameter goes into OPTIONS, where libpq receives it as is.
+    ``host`` and ``port`` query parameters (a socket directory; or libpq's comma-separated
+    lists of a multi-host DSN, such as ``?host=h1,h2&port=5432,5433``) override the network
+    location's; every other query parameter goes into OPTIONS, where libpq receives it as is.
     """
     parts = urlsplit(url)
     scheme = parts.scheme.split("+", 1)[0]
@@ -28,12 +29,14 @@ def parse_database_url(url: str) -> dict[str, Any]:
         )
     options: dict[str, str] = {}
     host = unquote(parts.hostname or "")
-    port = parts.port
+    port = str(parts.port or "")
     for key, value in parse_qsl(parts.query, keep_blank_values=True):
         if key == "host":
             host = value
         elif key == "port":
-            port = int(value)
+            if not all(p.strip().isdigit() for p in value.split(",")):
+                raise ValueError(f"Database URL port {value!r} is not a port or list of ports.")
+            port = value
         else:
             options[key] = value
     return {
@@ -42,7 +45,7 @@ def parse_database_url(url: str) -> dict[str, Any]:
         "USER": unquote(parts.username or ""),
         "PASSWORD": unquote(parts.password or ""),
         "HOST": host,
-        "PORT": str(port) if port is not None else "",
+        "PORT": port,
         "OPTIONS": options,
     }
 
