@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
@@ -13,14 +13,16 @@ from django.template.response import TemplateResponse
 from django.utils.html import format_html
 
 from . import sql
+from .admin_base import LockDatabaseAdmin
+from .admin_filters import (
+    JobNameFilter,
+    LastSuccessFilter,
+    OutcomeFilter,
+    ReasonFilter,
+    StateFilter,
+)
 from .models import JobLock, JobRun
 from .operations import abandoned_grants, force_release
-
-if TYPE_CHECKING:  # ModelAdmin is generic for type checkers only
-    JobLockAdminBase = admin.ModelAdmin[JobLock]
-    JobRunAdminBase = admin.ModelAdmin[JobRun]
-else:
-    JobLockAdminBase = JobRunAdminBase = admin.ModelAdmin
 
 STATE_COLOURS = {"ok": "#2e7d32", "alert": "#e65100", "stale": "#c62828", "abandoned": "#616161"}
 OUTCOME_COLOURS = {
@@ -42,26 +44,8 @@ def _badge(word: str, colour: str) -> str:
     )
 
 
-class StateFilter(admin.SimpleListFilter):
-    title = "state"
-    parameter_name = "state"
-
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [
-            ("ok", "ok"),
-            ("alert", "alert"),
-            ("stale", "stale"),
-            ("abandoned", "abandoned (holder gone)"),
-        ]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        if self.value():
-            return queryset.filter(state=self.value())
-        return queryset
-
-
 @admin.register(JobLock)
-class JobLockAdmin(JobLockAdminBase):
+class JobLockAdmin(LockDatabaseAdmin):
     """Read-only holders page. State and heartbeat age come from the database clock."""
 
     list_display = (
@@ -79,7 +63,7 @@ class JobLockAdmin(JobLockAdminBase):
     actions = ["force_release"]
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[JobLock]:
-        queryset = super().get_queryset(request)
+        queryset: QuerySet[JobLock] = super().get_queryset(request)
         return queryset.annotate(
             state=RawSQL(sql.STATE_EXPRESSION, abandoned_grants(queryset.db)),
             heartbeat_age=RawSQL(sql.HEARTBEAT_AGE_EXPRESSION, ()),
@@ -132,61 +116,56 @@ class JobLockAdmin(JobLockAdminBase):
             return TemplateResponse(
                 request, "admin/django_pglock/joblock/force_release_confirmation.html", context
             )
-        # Release exactly the grants the confirmation page showed: a lock that changed
-        # hands since then is left alone.
-        selected = set(request.POST.getlist(ACTION_CHECKBOX_NAME))
+        # Release exactly the grants the confirmation page showed, and only those the
+        # action's queryset holds now: get_queryset (a subclass may narrow it, to a
+        # tenant's rows say), the selection and the page's filters. What the form names
+        # is a request; the queryset is what this user may release.
         names, tokens = request.POST.getlist("lock_name"), request.POST.getlist("lock_token")
         if len(names) != len(tokens):
             self.message_user(request, "The confirmation form was incomplete.", messages.ERROR)
             return None
-        seen = dict(zip(names, tokens, strict=True))
-        for name in sorted(selected):
-            token_text = seen.get(name, "")
-            if not token_text.isdigit():
+        current = dict(queryset.values_list("name", "token"))
+        for name, token_text in sorted(dict(zip(names, tokens, strict=True)).items()):
+            if not (token_text.isascii() and token_text.isdigit()):
+                continue  # no grant carries such a token: nothing to release
+            token = int(token_text)
+            # A token that cannot be one (0) goes on to force_release, which says so.
+            if name not in current or (token >= 1 and current[name] != token):
+                self._not_released(request, name, token_text)
                 continue
-            try:
-                released = force_release(name, token=int(token_text), using=queryset.db)
-            except ValueError as exc:
-                self.message_user(request, str(exc), messages.ERROR)
-                continue
-            if released is None:
-                self.message_user(
-                    request,
-                    f"Lock {name!r} changed hands or was released since the confirmation page "
-                    f"showed token {token_text}; nothing was released.",
-                    messages.WARNING,
-                )
-                continue
-            holder = f"{released['host']}:{released['pid']} ({released['holder']})"
-            message = f"Force-released lock {name!r} held by {holder}, token {released['token']}."
-            gone = JobLock(name=name, token=released["token"], holder=released["holder"])
-            self.log_change(request, gone, message)
-            self.message_user(request, message, messages.SUCCESS)
+            self._release(request, name, token, queryset.db)
         return None
 
+    def _release(self, request: HttpRequest, name: str, token: int, using: str) -> None:
+        """Release grant ``token`` of ``name``, log it and tell the user what happened."""
+        try:
+            released = force_release(name, token=token, using=using)
+        except ValueError as exc:
+            self.message_user(request, str(exc), messages.ERROR)
+            return
+        if released is None:
+            self._not_released(request, name, str(token))
+            return
+        holder = f"{released['host']}:{released['pid']} ({released['holder']})"
+        message = f"Force-released lock {name!r} held by {holder}, token {released['token']}."
+        gone = JobLock(name=name, token=released["token"], holder=released["holder"])
+        self.log_change(request, gone, message)
+        self.message_user(request, message, messages.SUCCESS)
 
-class LastSuccessFilter(admin.SimpleListFilter):
-    title = "show"
-    parameter_name = "show"
-
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [("last-success", "Last successful run of each job")]
-
-    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
-        if self.value() == "last-success":
-            latest = (
-                JobRun.objects.using(queryset.db)
-                .filter(outcome=JobRun.Outcome.SUCCEEDED)
-                .order_by("name", "-started_at")
-                .distinct("name")
-                .values("pk")
-            )
-            return queryset.filter(pk__in=latest)
-        return queryset
+    def _not_released(self, request: HttpRequest, name: str, token: str) -> None:
+        # The same words for a grant that ended and for a lock this page does not list:
+        # what another tenant holds is not told apart from what nobody holds.
+        self.message_user(
+            request,
+            f"Lock {name!r} changed hands or was released since the confirmation page "
+            f"showed token {token}, or it is not among the locks this page lists; nothing "
+            "was released.",
+            messages.WARNING,
+        )
 
 
 @admin.register(JobRun)
-class JobRunAdmin(JobRunAdminBase):
+class JobRunAdmin(LockDatabaseAdmin):
     """Read-only run history of @singleton_job and locked_run."""
 
     list_display = (
@@ -200,7 +179,7 @@ class JobRunAdmin(JobRunAdminBase):
         "holder",
         "token",
     )
-    list_filter = (LastSuccessFilter, "outcome", "reason", "name")
+    list_filter = (LastSuccessFilter, OutcomeFilter, ReasonFilter, JobNameFilter)
     search_fields = ("name", "host", "holder")
     date_hierarchy = "started_at"
     ordering = ("-started_at",)

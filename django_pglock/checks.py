@@ -140,6 +140,7 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
                     id="django_pglock.W001",
                 )
             )
+        errors.extend(_check_routers(alias))
     metrics = values["METRICS"]
     if metrics is not None:
         try:
@@ -185,6 +186,44 @@ def _migrating() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _check_routers(alias: str) -> list[CheckMessage]:
+    """W003: the database routers keep django_pglock's tables off the lock database."""
+    from django.apps import apps
+
+    for model in apps.get_app_config("django_pglock").get_models():
+        refusing = _refusing_router(alias, model)
+        if refusing is None:
+            continue
+        name = f"{type(refusing).__module__}.{type(refusing).__qualname__}"
+        # A warning, not an error: another project may migrate a shared lock database.
+        return [
+            Warning(
+                f"The database router {name} does not allow migrating django_pglock on its "
+                f"lock database alias {alias!r}: 'migrate' never creates the lock, run and "
+                "schedule tables there, and every lock call fails without them.",
+                hint="Make allow_migrate() return True or None for app_label 'django_pglock' "
+                f"on db {alias!r}, or point DJANGO_PGLOCK['DATABASE'] at the alias where it "
+                "migrates django_pglock.",
+                id="django_pglock.W003",
+            )
+        ]
+    return []
+
+
+def _refusing_router(alias: str, model: type[Any]) -> object | None:
+    """The router whose ``allow_migrate()`` decides against ``model`` on ``alias``, if any
+    (the first router that answers decides, as in ``migrate``)."""
+    from django.db import router
+
+    hints = {"model_name": model._meta.model_name, "model": model}
+    for candidate in router.routers:
+        method = getattr(candidate, "allow_migrate", None)
+        allowed = None if method is None else method(alias, model._meta.app_label, **hints)
+        if allowed is not None:
+            return None if allowed else candidate
+    return None
 
 
 def check_database(

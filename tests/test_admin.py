@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import uuid
 from datetime import timedelta
-from html.parser import HTMLParser
 
 import pytest
 from django.contrib.admin.models import LogEntry
@@ -26,6 +25,7 @@ from django.utils import timezone
 
 from django_pglock import Lock, LockNotHeld, signals
 from django_pglock.models import JobLock, JobRun, ScheduleClaim
+from tests.adminforms import confirmation_form
 from tests.subprocs import Received, open_db
 from tests.testapp import jobs
 
@@ -102,44 +102,9 @@ def messages_of(response):
     return [(message.level, message.message) for message in response.context["messages"]]
 
 
-class _FormFields(HTMLParser):
-    """The (name, value) pairs a browser would submit from the page's POST form."""
-
-    def __init__(self):
-        super().__init__()
-        self.fields = []
-        self._in_form = False
-
-    def handle_starttag(self, tag, attrs):
-        attrs = dict(attrs)
-        if tag == "form" and (attrs.get("method") or "").lower() == "post":
-            self._in_form = True
-        elif (
-            tag == "input"
-            and self._in_form
-            and attrs.get("name")
-            and attrs.get("type", "text") in ("hidden", "text")
-        ):
-            self.fields.append((attrs["name"], attrs.get("value") or ""))
-
-    def handle_endtag(self, tag):
-        if tag == "form":
-            self._in_form = False
-
-
-def confirmation_form(response):
-    """The confirmation page's form, as the dict of lists the test client posts."""
-    parser = _FormFields()
-    parser.feed(response.content.decode())
-    data = {}
-    for name, value in parser.fields:
-        data.setdefault(name, []).append(value)
-    return data
-
-
-def ask_to_release(client, *names):
+def ask_to_release(client, *names, holders=HOLDERS):
     """Select ``names`` on the holders page and choose the action (first step)."""
-    return client.post(HOLDERS, {"action": ACTION, "_selected_action": list(names), "index": "0"})
+    return client.post(holders, {"action": ACTION, "_selected_action": list(names), "index": "0"})
 
 
 # -- holders page ----------------------------------------------------------------------------
@@ -334,6 +299,67 @@ def test_confirming_after_the_lock_changed_hands_releases_nothing(client):
     second.release()
 
 
+@pytest.mark.urls("tests.tenant_admin")
+def test_forced_release_releases_only_rows_of_the_actions_queryset(client):
+    """An admin that lists one tenant's locks: crafted POSTs cannot release another's."""
+    from tests.tenant_admin import TENANT_PREFIX
+
+    mine = hold(f"{TENANT_PREFIX}{unique('mine')}")
+    theirs = hold(unique("tenant-b"))
+    user = staff_user("view_joblock", "force_release_joblock")
+    client.force_login(user)
+    holders = reverse("tenant_admin:django_pglock_joblock_changelist")
+    assert shown_names(client.get(holders)) == {mine.name}
+
+    theirs_named = {"lock_name": [theirs.name], "lock_token": [str(theirs.token)]}
+    forged = {
+        # The other tenant's lock, selected and named, as the confirmation form would.
+        "selected": {"_selected_action": [theirs.name], **theirs_named},
+        # "Select all" of this page, and the other tenant's lock named.
+        "across": {"select_across": "1", "_selected_action": [mine.name], **theirs_named},
+        # Its own lock selected, the other tenant's named.
+        "mixed": {"_selected_action": [mine.name], **theirs_named},
+    }
+    with Received(signals.lock_force_released) as released:
+        for label, data in forged.items():
+            response = client.post(holders, {"action": ACTION, "post": "yes", **data}, follow=True)
+            assert response.status_code == 200, label
+            assert not [m for m in messages_of(response) if m[0] == message_levels.SUCCESS], label
+    assert released.calls == []
+    assert JobLock.objects.get(pk=theirs.name).token == theirs.token
+    assert not LogEntry.objects.exists()
+    theirs.check()
+
+    # The tenant's own lock still goes, through its confirmation page.
+    confirm = ask_to_release(client, mine.name, holders=holders)
+    with Received(signals.lock_force_released) as released:
+        client.post(holders, confirmation_form(confirm))
+    assert [call["name"] for call in released.calls] == [mine.name]
+    with pytest.raises(LockNotHeld):
+        mine.check()
+    theirs.check()
+    theirs.release()
+
+
+def test_a_selection_or_object_id_with_a_nul_byte_changes_nothing(admin_client):
+    name = unique("nul")
+    lease = hold(name)
+    with Received(signals.lock_force_released) as released:
+        response = admin_client.post(
+            HOLDERS,
+            {"action": ACTION, "post": "yes", "_selected_action": [f"{name}\x00"]},
+            follow=True,
+        )
+    assert response.status_code == 200
+    warnings = [text for level, text in messages_of(response) if level == message_levels.WARNING]
+    assert len(warnings) == 1 and "NUL" in warnings[0], messages_of(response)
+    assert released.calls == []
+    change = reverse("admin:django_pglock_joblock_change", args=[quote(f"{name}\x00")])
+    assert admin_client.get(change).status_code == 302  # "does not exist", back to the index
+    lease.check()
+    lease.release()
+
+
 # -- run history ----------------------------------------------------------------------------
 
 
@@ -477,6 +503,72 @@ def test_run_history_admin_lists_filters_and_shows_the_last_success(admin_client
         admin_client.get(RUNS, {"show": "last-success", "name": "recorded-job"})
     ) == {second_a.pk}
     assert admin_client.get(reverse("admin:django_pglock_jobrun_add")).status_code == 403
+
+
+@pytest.mark.usefixtures("no_runs")
+@pytest.mark.parametrize(
+    ("page", "params"),
+    [
+        pytest.param(HOLDERS, {"state": "x\x00"}, id="state-nul"),
+        pytest.param(HOLDERS, {"state": "dead"}, id="state-unknown"),
+        pytest.param(HOLDERS, {"q": "x\x00"}, id="locks-search-nul"),
+        pytest.param(HOLDERS, {"name": "x\x00"}, id="locks-name-nul"),
+        pytest.param(HOLDERS, {"host__startswith": "x\x00"}, id="locks-lookup-nul"),
+        pytest.param(HOLDERS, {"x\x00": "1"}, id="locks-key-nul"),
+        pytest.param(RUNS, {"name": "x\x00"}, id="name-nul"),
+        pytest.param(RUNS, {"name": "x" * 300}, id="name-too-long"),
+        pytest.param(RUNS, {"outcome": "x\x00"}, id="outcome-nul"),
+        pytest.param(RUNS, {"outcome": "exploded"}, id="outcome-unknown"),
+        pytest.param(RUNS, {"outcome__exact": "x\x00"}, id="outcome-exact-nul"),
+        pytest.param(RUNS, {"reason": "x\x00"}, id="reason-nul"),
+        pytest.param(RUNS, {"reason": "bored"}, id="reason-unknown"),
+        pytest.param(RUNS, {"show": "x\x00"}, id="show-nul"),
+        pytest.param(RUNS, {"q": "x\x00"}, id="runs-search-nul"),
+        pytest.param(RUNS, {"started_at__year": "2\x00"}, id="date-nul"),
+    ],
+)
+def test_an_invalid_filter_value_is_ignored(admin_client, page, params):
+    lease = hold(unique("listed"))
+    jobs.recorded_job()
+    with pytest.raises(RuntimeError):
+        jobs.recorded_job(fail=True)
+    everything = shown_names(admin_client.get(page))
+    assert len(everything) == (1 if page == HOLDERS else 2)
+
+    response = admin_client.get(page, params)
+    assert response.status_code == 200
+    assert shown_names(response) == everything
+    cl = response.context["cl"]
+    for spec in cl.filter_specs:
+        if hasattr(spec, "value"):
+            assert spec.value() is None, spec.title  # "All" is what is selected
+    lease.release()
+
+
+@pytest.mark.usefixtures("no_runs")
+def test_the_run_history_does_not_list_every_job_name(admin_client, sql_db):
+    names = [f"tenant-job-{number:04d}" for number in range(300)]
+    sql_db.execute(
+        "INSERT INTO django_pglock_jobrun"
+        " (name, holder, host, pid, description, started_at, finished_at, duration, outcome)"
+        " SELECT name, 'h', 'host', 1, '', now(), now(), 0, 'succeeded'"
+        " FROM unnest(%s::text[]) AS name",
+        [names],
+    )
+    page = admin_client.get(RUNS)
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert "name=tenant-job-" not in html  # no link per job name
+    assert page.context["cl"].result_count == len(names)
+    assert all(len(spec.lookup_choices) <= 6 for spec in page.context["cl"].filter_specs)
+
+    # One job's runs: through ?name= (shown as the selected choice) or the search box.
+    wanted = JobRun.objects.get(name=names[7]).pk
+    filtered = admin_client.get(RUNS, {"name": names[7]})
+    assert shown_names(filtered) == {wanted}
+    (spec,) = [s for s in filtered.context["cl"].filter_specs if s.parameter_name == "name"]
+    assert spec.lookup_choices == [(names[7], names[7])] and spec.value() == names[7]
+    assert shown_names(admin_client.get(RUNS, {"q": names[7]})) == {wanted}
 
 
 # -- pglock_prune ---------------------------------------------------------------------------

@@ -1,0 +1,83 @@
+"""What both admin pages share: they read the lock database, and ignore what cannot be text.
+
+The lock engine writes its rows on ``DJANGO_PGLOCK["DATABASE"]``; the admin reads them
+there too, whatever the project's database routers say (a project need not add a router
+for the lock alias, and ``default`` may be SQLite). The admin's own records (users, the
+admin log) stay where the project keeps them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
+
+from django.contrib import admin, messages
+from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
+from django.db.models import Model, QuerySet
+from django.http import HttpRequest, HttpResponse, QueryDict
+
+from .conf import get_setting, validate_alias
+
+if TYPE_CHECKING:  # ModelAdmin is generic for type checkers only
+    ModelAdminBase = admin.ModelAdmin[Any]
+else:
+    ModelAdminBase = admin.ModelAdmin
+
+__all__ = ["LockDatabaseAdmin"]
+
+
+def _is_text(value: str) -> bool:
+    """Whether PostgreSQL can compare ``value`` with a text column (no NUL byte in it)."""
+    return "\x00" not in value
+
+
+class LockDatabaseAdmin(ModelAdminBase):
+    """The admin of django_pglock's rows, on the lock database.
+
+    ``get_queryset`` reads ``DJANGO_PGLOCK["DATABASE"]``; a subclass that narrows it
+    (rows per tenant, say) narrows the list, the filters and the actions alike. Query
+    parameters that cannot be compared with text (a NUL byte) are dropped before the
+    list is built, as is a selection or an object id holding one.
+    """
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Any]:
+        """The model's rows on the lock database."""
+        alias = validate_alias(get_setting("DATABASE"))
+        return super().get_queryset(request).using(alias)
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        """The list, with parameters that cannot be text ignored (``?q=x%00``)."""
+        pairs = _pairs(request.GET)
+        kept = [(key, value) for key, value in pairs if _is_text(key) and _is_text(value)]
+        if len(kept) < len(pairs):
+            request.GET = QueryDict(urlencode(kept))
+        return super().changelist_view(request, extra_context)
+
+    def get_object(
+        self, request: HttpRequest, object_id: str, from_field: str | None = None
+    ) -> Model | None:
+        """The row, or ``None`` (Django's "does not exist") for an id that cannot be text."""
+        if not _is_text(object_id):
+            return None
+        return super().get_object(request, object_id, from_field)
+
+    def response_action(
+        self, request: HttpRequest, queryset: QuerySet[Any], *args: Any, **kwargs: Any
+    ) -> HttpResponse | None:
+        """Run the chosen action, unless the selection holds a value that cannot be text."""
+        selected = request.POST.getlist(ACTION_CHECKBOX_NAME)
+        if not all(_is_text(value) for value in selected):
+            self.message_user(
+                request,
+                "The selection holds a value with a NUL character, which no row can have; "
+                "select rows on the list and try again. Nothing was done.",
+                messages.WARNING,
+            )
+            return None
+        return super().response_action(request, queryset, *args, **kwargs)
+
+
+def _pairs(query: QueryDict) -> list[tuple[str, str]]:
+    return [(key, value) for key, values in query.lists() for value in values]
