@@ -78,10 +78,12 @@ def sweep_orphans(conn: LockConnection, leases: list[Lease], now: float) -> floa
 
     try:
         with conn.lock:  # no grant is between its statement and its lease meanwhile
-            conn.orphans_possible = False
             tokens = unreleased_tokens()
             params = {"holder": current().holder, "tokens": tokens}
             rows = conn.execute(sql.SWEEP_ORPHANS, params)
+            # Cleared only once it ran: until then, the exit sweep knows it must run
+            # (it waits for this one, holding the same lock).
+            conn.orphans_possible = False
             keys = {lease._key for lease in leases}
             for name, token, keyed in rows:
                 logger.warning(

@@ -7,9 +7,10 @@ import atexit
 import contextlib
 import time
 
-from .beats import RETRY_INTERVAL
+from .beats import RETRY_INTERVAL, sweep_orphans
+from .connection import get_connection
 from .exceptions import ConnectionBusy
-from .heartbeat import current_registry
+from .heartbeat import Registry, current_registry
 from .states import State
 
 __all__ = ["EXIT_BUSY_WAIT", "EXIT_RETRIES", "EXIT_WAIT", "register", "release_all_at_exit"]
@@ -55,7 +56,27 @@ def release_all_at_exit() -> None:
         ]
         if pending:
             time.sleep(RETRY_INTERVAL)
+    _sweep_before_exit(held, deadline)
     held.closing = True  # servers stopping at exit are no news
+
+
+def _sweep_before_exit(held: Registry, deadline: float) -> None:
+    """A grant whose answer never arrived (a lost connection, no answer) is swept by the
+    heartbeat thread, which dies with the process: sweep here, within the exit budget,
+    or on the table path the grant would block its name until ``stale_after``."""
+    for alias in held.aliases():
+        conn = get_connection(alias)
+        while conn.orphans_possible and time.monotonic() < deadline:
+            if not conn.lock.acquire(timeout=EXIT_BUSY_WAIT):
+                continue  # the heartbeat thread's own sweep, or a stuck statement
+            try:
+                if not conn.orphans_possible:  # the heartbeat thread's sweep finished it
+                    break
+                sweep_orphans(conn, held.leases(alias), time.monotonic())
+            finally:
+                conn.lock.release()
+            if conn.orphans_possible:
+                time.sleep(RETRY_INTERVAL)
 
 
 _registered = False

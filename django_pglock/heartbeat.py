@@ -105,6 +105,11 @@ class Registry:
         with self._lock:
             self._leases.get(lease.using, {}).pop(lease.token, None)
 
+    def aliases(self) -> list[str]:
+        """The database aliases this process has held (or swept) leases on."""
+        with self._lock:
+            return list(self._leases)
+
     def leases(self, alias: str | None = None) -> list[Lease]:
         with self._lock:
             if alias is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import sql
 from .exceptions import LockError
@@ -26,6 +26,10 @@ __all__ = ["FIRST_KEY_RETRY", "LAST_KEY_RETRY", "KeyMixin"]
 #: to its heartbeat interval, at most LAST_KEY_RETRY).
 FIRST_KEY_RETRY = 0.05
 LAST_KEY_RETRY = 1.0
+ADOPTION_IN_DOUBT = (
+    "its session ended while it took its advisory key, so its row may say it holds a key "
+    "nobody holds: a contender may take over at once"
+)
 
 
 class KeyMixin:
@@ -48,6 +52,9 @@ class KeyMixin:
         raise NotImplementedError
 
     def _usable_for_key(self) -> bool:  # pragma: no cover - defined by Lease
+        raise NotImplementedError
+
+    def _mark_lost(self, reason: str, *, row_gone: bool = False) -> None:  # pragma: no cover
         raise NotImplementedError
 
     def _set_key(self, to: Key, generation: int | None = None) -> None:
@@ -87,24 +94,41 @@ class KeyMixin:
                     return
             # Marked held before the connection is let go, so that no other thread's
             # failed attempt takes this key for a stray one and unlocks it.
-            with conn.lock:
-                rows = conn.execute(
-                    sql.ADOPT_KEY,
-                    {"name": self.name, "token": self.token, "key": self._key},
-                    session=self._generation,
-                )
-                generation = conn.generation
-                with self._state_lock:
-                    if not rows[0][0]:
-                        self._key_retry_at = now + self._key_retry_delay
-                        self._key_retry_delay = min(
-                            self._key_retry_delay * 2, self.heartbeat_interval, LAST_KEY_RETRY
-                        )
-                        return
-                    if self._usable_for_key() and conn.generation == generation:
-                        self._set_key(Key.HELD, generation)
-                        return
-                    self._set_key(Key.NONE)
+            in_doubt: list[bool] = []
+
+            def failed(rows: list[tuple[Any, ...]], alive: bool) -> None:
+                # No answer and no session: the row may now say this lease holds the
+                # key on a session that has ended, so a contender may take the name at
+                # once. The lease cannot tell: it is lost.
+                if not alive:
+                    in_doubt.append(True)
+
+            try:
+                with conn.lock:
+                    rows = conn.execute(
+                        sql.ADOPT_KEY,
+                        {"name": self.name, "token": self.token, "key": self._key},
+                        session=self._generation,
+                        after_failure=failed,
+                    )
+                    generation = conn.generation
+                    with self._state_lock:
+                        if not rows[0][0]:
+                            self._key_retry_at = now + self._key_retry_delay
+                            self._key_retry_delay = min(
+                                self._key_retry_delay * 2, self.heartbeat_interval, LAST_KEY_RETRY
+                            )
+                            return
+                        if self._usable_for_key() and conn.generation == generation:
+                            self._set_key(Key.HELD, generation)
+                            return
+                        self._set_key(Key.NONE)
+            except LockError:
+                if in_doubt:
+                    with self._state_lock:
+                        self._set_key(Key.NONE)
+                    self._mark_lost(ADOPTION_IN_DOUBT)
+                raise
         # Lost while the key was being taken: nobody else will give it back.
         with contextlib.suppress(LockError):
             conn.execute(sql.UNLOCK, {"key": self._key}, session=generation)
