@@ -24,8 +24,12 @@ __all__ = ["AsyncAcquisition"]
 
 
 class _Handoff:
-    """Hands a lease from the worker thread to the awaiting task, or releases it when
-    that task was cancelled meanwhile: a cancelled acquire never leaks a held lock."""
+    """Hands a lease from the worker thread to the awaiting task, or gives it up when
+    that task was cancelled meanwhile: a cancelled acquire never leaks a held lock, and
+    its run (the body never ran) is recorded as ``failed``, never as a success.
+
+    A grant given up is released by the heartbeat thread (``Lease._abandon``: no I/O
+    here, neither in the event loop nor in the worker thread)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -39,7 +43,7 @@ class _Handoff:
                 self._lease = lease
                 return lease
         if lease is not None:
-            lease.release()
+            lease._abandon()  # cancelled while the statement ran
         return None
 
     def abandon(self) -> None:
@@ -47,9 +51,7 @@ class _Handoff:
             self._abandoned = True
             lease, self._lease = self._lease, None
         if lease is not None:
-            threading.Thread(
-                target=lease.release, name="django_pglock-release", daemon=True
-            ).start()
+            lease._abandon()  # granted, but cancelled before the task got it
 
 
 class AsyncAcquisition:

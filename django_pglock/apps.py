@@ -14,7 +14,9 @@ class SingletonJobsConfig(AppConfig):
     def ready(self) -> None:
         from django.core import checks as django_checks
 
-        from . import checks
+        from . import checks, testdb
 
         django_checks.register(checks.check_settings)
         django_checks.register(checks.check_database, django_checks.Tags.database)
+        # Lock sessions close before Django creates or drops a (test) database.
+        testdb.connect()

@@ -12,7 +12,7 @@ import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import beats, heartbeat, signals, sql
+from . import beats, heartbeat, signals, sql, testcases
 from .connection import LockConnection, get_connection
 from .events import call_metrics, send
 from .exceptions import LockError
@@ -76,6 +76,7 @@ class AttemptMixin:
         described when a signal receiver or an alert needs it.
         """
         resolved = self._resolved()
+        testcases.settle()  # what ended TestCase transactions left goes first
         conn = get_connection(resolved.alias)
         if resolved.advisory:
             conn.ensure_open()  # a pooler is looked for when the session opens
@@ -153,6 +154,7 @@ class AttemptMixin:
             # The key was busy (a concurrent contender's statement held it): take it later.
             lease._set_key(Key.WANTED)
         heartbeat.registry().add(lease)
+        testcases.note(conn.alias, lease=lease)  # inside a TestCase: undone when it ends
         return lease
 
     def _refused(

@@ -9,6 +9,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.checks import CheckMessage, Error, Warning
+from django.core.exceptions import ImproperlyConfigured
 from django.db import DatabaseError, connections
 from django.utils.module_loading import import_string
 
@@ -21,6 +22,7 @@ from .conf import (
     ThresholdsTooTight,
     is_schedule_tolerance,
     kind_of,
+    read_setting,
     setting_label,
     validate_thresholds,
 )
@@ -43,13 +45,12 @@ def _is_seconds(value: object) -> bool:
 
 def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> list[CheckMessage]:
     """Types, ranges and order of the ``DJANGO_PGLOCK`` values."""
-    configured = getattr(settings, SETTING_NAME, {})
-    if configured is None:
-        configured = {}
-    if not isinstance(configured, dict):
+    try:
+        configured = read_setting()
+    except ImproperlyConfigured:
         return [
             Error(
-                f"{SETTING_NAME} is {kind_of(configured)}, not a dict.",
+                f"{SETTING_NAME} is {kind_of(getattr(settings, SETTING_NAME))}, not a dict.",
                 hint=f"Set {SETTING_NAME} = {{'STALE_AFTER': 600.0, ...}} or remove it.",
                 id="django_pglock.E001",
             )
@@ -234,9 +235,12 @@ def check_database(
     """With ``--database``: the lock database can be reached and has the lock table."""
     if not databases:
         return []
-    alias = getattr(settings, SETTING_NAME, {}).get("DATABASE", DEFAULTS["DATABASE"])
-    if alias not in databases or alias not in settings.DATABASES:
-        return []
+    try:
+        alias = read_setting().get("DATABASE", DEFAULTS["DATABASE"])
+    except ImproperlyConfigured:
+        return []  # check_settings reports it (E001)
+    if not isinstance(alias, str) or alias not in databases or alias not in settings.DATABASES:
+        return []  # not asked for, or check_settings reports it (E006)
     connection = connections[alias]
     if connection.vendor != "postgresql":
         return []

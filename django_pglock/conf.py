@@ -20,6 +20,7 @@ __all__ = [
     "generation",
     "get_setting",
     "kind_of",
+    "read_setting",
     "schedule_tolerance",
     "validate_alias",
     "validate_thresholds",
@@ -52,14 +53,26 @@ def get_setting(key: str) -> Any:
     global _cache
     configured = _cache
     if configured is None:
-        configured = getattr(settings, SETTING_NAME, None) or {}
-        if not isinstance(configured, dict):
-            raise ImproperlyConfigured(
-                f"{SETTING_NAME} is {configured!r}, not a dict; set it to a dict such as "
-                f"{{'STALE_AFTER': 600.0}} or remove it."
-            )
-        _cache = configured
+        configured = _cache = read_setting()
     return configured.get(key, DEFAULTS[key])
+
+
+def read_setting() -> dict[str, Any]:
+    """The ``DJANGO_PGLOCK`` dict as the project set it: ``{}`` when unset or ``None``.
+
+    The one reader of the setting (the lock engine, the commands and the system checks),
+    so that all of them accept and refuse the same values: anything but a dict or
+    ``None`` raises ``ImproperlyConfigured`` (``manage.py check`` reports it as E001).
+    """
+    configured = getattr(settings, SETTING_NAME, None)
+    if configured is None:
+        return {}
+    if not isinstance(configured, dict):
+        raise ImproperlyConfigured(
+            f"{SETTING_NAME} is {configured!r}, not a dict; set it to a dict such as "
+            f"{{'STALE_AFTER': 600.0}} or remove it."
+        )
+    return configured
 
 
 def generation() -> int:

@@ -91,6 +91,7 @@ def open_session(lock_conn: LockConnection) -> psycopg.Connection[Any]:
     if lock_conn._abandoned:
         lock_conn._abandoned = []
         lock_conn.orphans_possible = True  # what it ran before it ended may have granted
+    _as_django(conn, wrapper.timezone_name, options.get("assume_role"), lock_conn.alias)
     lock_conn._cursor = psycopg.RawCursor(conn)
     lock_conn._tx = Transformer(conn)
     lock_conn._prepared = {}
@@ -104,6 +105,30 @@ def open_session(lock_conn: LockConnection) -> psycopg.Connection[Any]:
             lock_conn._prepare = False  # its prepared statements would come and go as well
             lock_conn._found_pooler(evidence)
     return conn
+
+
+def _as_django(
+    conn: psycopg.Connection[Any], time_zone: str | None, role: str | None, alias: str
+) -> None:
+    """Apply what Django's backend applies to each new connection of ``alias`` (see
+    ``DatabaseWrapper.init_connection_state``): its time zone, when the server's differs,
+    and ``OPTIONS["assume_role"]`` (Django 5.0+), whose rights the lock statements need
+    when the login role lacks them. Both persist for the session; a session opened again
+    gets them again. Nothing is sent when neither is needed."""
+    if time_zone and conn.info.parameter_status("TimeZone") == time_zone:
+        time_zone = None
+    if not time_zone and not role:
+        return
+    try:
+        conn.execute(sql.SESSION_AS_DJANGO, {"time_zone": time_zone, "role": role}, prepare=False)
+    except psycopg.Error as exc:
+        with contextlib.suppress(psycopg.Error):
+            conn.close()
+        what = f"OPTIONS['assume_role'] = {role!r}" if role else f"TimeZone {time_zone!r}"
+        raise DatabaseUnavailable(
+            f"Could not set up the lock connection for database alias {alias!r} as Django "
+            f"does ({what}): {first_line(exc)}. Check DATABASES[{alias!r}]."
+        ) from None
 
 
 def _cannot_connect(alias: str, params: dict[str, Any], exc: psycopg.Error) -> str:

@@ -109,8 +109,10 @@ class ReleaseMixin:
 
     def _abandon(self) -> None:
         """Release from the heartbeat thread: for a grant nobody will use (its acquire
-        was interrupted). Does no I/O, so it is safe in an exception handler."""
+        was interrupted or cancelled). Does no I/O, so it is safe in an exception
+        handler. Its run, if recorded, ends as ``failed``: its body never ran."""
         if self._advance(State.RELEASING):
+            self._outcome = "failed"
             self._retry_release_later(at_once=True)
 
     def _retry_release_later(self, *, at_once: bool = False) -> None:

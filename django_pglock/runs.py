@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from django.db import models
 
-from . import sql
+from . import sql, testcases
 from .connection import get_connection
 from .identity import current
 
@@ -49,7 +49,8 @@ def record_skipped(lock: Lock, reason: SkipReason, lease: Lease | None = None) -
             )
         return
     identity = current()
-    get_connection(lock._alias()).execute(
+    alias = lock._alias()
+    rows = get_connection(alias).execute(
         sql.RECORD_SKIPPED,
         {
             "name": lock.name,
@@ -60,3 +61,4 @@ def record_skipped(lock: Lock, reason: SkipReason, lease: Lease | None = None) -
             "reason": reason.value,
         },
     )
+    testcases.note(alias, run_id=rows[0][0])  # inside a TestCase: undone when it ends

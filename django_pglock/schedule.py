@@ -16,7 +16,7 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 
-from . import sql
+from . import sql, testcases
 from .conf import get_setting, schedule_tolerance
 from .connection import get_connection, validate_alias
 from .identity import current
@@ -102,6 +102,7 @@ class ScheduleSlot:
         slot that holder claimed already counts as claimed by this run.
         """
         alias = validate_alias(self.using if self.using is not None else get_setting("DATABASE"))
+        testcases.settle()  # what ended TestCase transactions left goes first
         # On the dedicated autocommit connection: a claim never joins the caller's
         # transaction, so it is visible to other hosts at once.
         conn = get_connection(alias)
@@ -112,4 +113,6 @@ class ScheduleSlot:
             rows = conn.execute(sql.CLAIM_SLOT, params)
         else:
             rows = conn.execute(sql.CLAIM_SLOT_UNDER, {**params, "parent": parent})
+        if rows:
+            testcases.note(alias, claim_id=rows[0][0])  # inside a TestCase: undone when it ends
         return bool(rows)

@@ -7,14 +7,16 @@ a guard (``FOR KEY SHARE``) lets heartbeats (``FOR NO KEY UPDATE``) through whil
 holds off reclaims (``FOR UPDATE``) and deletes.
 
 The statements live in :mod:`.acquire`, :mod:`.holder` (the holder's own),
-:mod:`.operator` (forced release, run history, pruning, schedules) and :mod:`.status`
-(state and abandoned grants); this package exports them all.
+:mod:`.operator` (forced release, run history, pruning, schedules), :mod:`.status`
+(state and abandoned grants) and :mod:`.isolation` (what tests leave); this package
+exports them all.
 """
 
 from __future__ import annotations
 
 from .acquire import *  # noqa: F403
 from .holder import *  # noqa: F403
+from .isolation import *  # noqa: F403
 from .names import SEQUENCE as SEQUENCE
 from .names import TABLE as TABLE
 from .names import advisory_key as advisory_key

@@ -18,6 +18,7 @@ __all__ = [
     "RELEASE_GUARDED",
     "RELEASE_GUARDED_RECORDED",
     "RELEASE_RECORDED",
+    "SESSION_AS_DJANGO",
     "SESSION_SETUP",
     "SWEEP_ORPHANS",
     "UNLOCK",
@@ -176,6 +177,16 @@ SELECT set_config('synchronous_commit',
        pg_backend_pid(),
        (SELECT backend_start FROM pg_stat_activity WHERE pid = pg_backend_pid()),
        set_config('idle_session_timeout', '0', false)
+"""
+
+# Once per new dedicated connection, after the setup and the end of abandoned sessions
+# (which needs the login role's own rights), and only when needed: what Django's backend
+# applies to each of its connections, so that the lock statements run as its ORM does:
+# its time zone, and OPTIONS["assume_role"] (the role that holds the table privileges).
+SESSION_AS_DJANGO = """
+SELECT CASE WHEN %(time_zone)s::text IS NOT NULL
+            THEN set_config('TimeZone', %(time_zone)s, false) END,
+       CASE WHEN %(role)s::text IS NOT NULL THEN set_config('role', %(role)s, false) END
 """
 
 # A session given up because it did not answer (a stopped server process): end it on the

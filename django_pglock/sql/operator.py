@@ -29,6 +29,7 @@ INSERT INTO {_RUNS} (name, holder, host, pid, description, started_at, finished_
                      outcome, reason)
 VALUES (%(name)s, %(holder)s, %(host)s, %(pid)s, %(description)s, now(), now(), 0, 'skipped',
         %(reason)s)
+RETURNING id
 """
 
 # A granted call that did not run its body (its schedule slot had already started): the
