@@ -37,6 +37,13 @@ def _cronsim() -> Any:
     return cronsim
 
 
+def _later(local: datetime.datetime, zone: datetime.tzinfo) -> datetime.datetime:
+    """One real second after ``local``, in ``zone``. Computed in UTC: local wall-clock
+    arithmetic drops ``fold``, so in the repeated hour of a DST change ``local + 1 s``
+    would be an hour earlier."""
+    return (local.astimezone(datetime.timezone.utc) + _SECOND).astimezone(zone)
+
+
 class ScheduleSlot:
     """The current slot of a cron ``expression`` for the job ``name``.
 
@@ -83,9 +90,10 @@ class ScheduleSlot:
         cronsim = _cronsim()
         # Cron ticks fall on whole seconds: from the whole second at or before now, the
         # first tick forward is after now, and reverse from a second later is at or before.
-        local = timezone.localtime(now, timezone.get_current_timezone()).replace(microsecond=0)
+        zone = timezone.get_current_timezone()
+        local = timezone.localtime(now, zone).replace(microsecond=0)
         previous: datetime.datetime = next(
-            cronsim.CronSim(self.expression, local + _SECOND, reverse=True)
+            cronsim.CronSim(self.expression, _later(local, zone), reverse=True)
         )
         if tolerance > 0:
             following: datetime.datetime = next(cronsim.CronSim(self.expression, local))
