@@ -10,6 +10,7 @@ starts the 03:00 slot like every other host, not the slot before it.
 from __future__ import annotations
 
 import datetime
+import logging
 from typing import Any
 
 from django.conf import settings
@@ -22,6 +23,8 @@ from .connection import get_connection, validate_alias
 from .identity import current
 
 __all__ = ["ScheduleSlot"]
+
+logger = logging.getLogger("django_pglock")
 
 
 _SECOND = datetime.timedelta(seconds=1)
@@ -37,11 +40,12 @@ def _cronsim() -> Any:
     return cronsim
 
 
-def _later(local: datetime.datetime, zone: datetime.tzinfo) -> datetime.datetime:
-    """One real second after ``local``, in ``zone``. Computed in UTC: local wall-clock
-    arithmetic drops ``fold``, so in the repeated hour of a DST change ``local + 1 s``
-    would be an hour earlier."""
-    return (local.astimezone(datetime.timezone.utc) + _SECOND).astimezone(zone)
+def _later(local: datetime.datetime, zone: datetime.tzinfo, seconds: int = 1) -> datetime.datetime:
+    """``seconds`` real seconds after ``local``, in ``zone``. Computed in UTC: local
+    wall-clock arithmetic drops ``fold``, so in the repeated hour of a DST change
+    ``local + 1 s`` would be an hour earlier."""
+    utc = local.astimezone(datetime.timezone.utc)
+    return (utc + seconds * _SECOND).astimezone(zone)
 
 
 class ScheduleSlot:
@@ -103,16 +107,40 @@ class ScheduleSlot:
                 return following
         return previous
 
-    def claim(self, parent: str | None = None) -> bool:
+    def is_tick(self, moment: datetime.datetime) -> bool:
+        """Whether ``moment`` (aware) is a tick of the expression in the active time zone."""
+        zone = timezone.get_current_timezone()
+        local = timezone.localtime(moment, zone)
+        if local.microsecond:
+            return False
+        tick: datetime.datetime = next(_cronsim().CronSim(self.expression, _later(local, zone, -1)))
+        return tick.timestamp() == local.timestamp()
+
+    def claim(self, parent: str | None = None, slot: datetime.datetime | None = None) -> bool:
         """Record the start of the current slot; ``True`` only for the first caller.
 
         ``parent``: the holder whose grant this run inherited (see :mod:`.inherit`); a
-        slot that holder claimed already counts as claimed by this run.
+        slot that holder claimed already counts as claimed by this run. ``slot``: the
+        slot that holder claimed for this run (``locked_run --schedule``): if it is a tick
+        of this expression, the run is in exactly that slot (``True`` only if the
+        parent's claim of it stands) instead of the slot computed now.
         """
         alias = validate_alias(self.using if self.using is not None else get_setting("DATABASE"))
         # On the dedicated autocommit connection: a claim never joins the caller's
         # transaction, so it is visible to other hosts at once.
         conn = get_connection(alias)
+        if parent is not None and slot is not None:
+            if self.is_tick(slot):
+                self.slot = timezone.localtime(slot, timezone.get_current_timezone())
+                params = {"name": self.name, "slot": self.slot, "parent": parent}
+                return bool(conn.execute(sql.SLOT_CLAIMED_BY, params))
+            logger.warning(
+                "django_pglock: the slot %s passed by the parent is not a tick of %r; the "
+                "schedule slot of %r is computed as usual.",
+                slot.isoformat(),
+                self.expression,
+                self.name,
+            )
         ((now,),) = conn.execute(sql.NOW, {})
         self.slot = self.current_slot(now)
         params = {"name": self.name, "slot": self.slot, "holder": current().holder}

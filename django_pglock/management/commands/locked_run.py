@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import os
 import random
 import select
@@ -26,6 +27,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_pglock.conf import get_setting
 from django_pglock.exceptions import LockNotHeld
 from django_pglock.identity import redact
+from django_pglock.inherit import lend
 from django_pglock.lock import Lease, Lock, validate_name
 from django_pglock.management.cli import database_option, reports_database_errors
 from django_pglock.redaction import redact_argv
@@ -192,7 +194,8 @@ class Command(BaseCommand):
                     )
                     record_skipped(lock, SkipReason.SLOT_TAKEN, lease)
                 else:
-                    code = self._supervise(lease, child_argv, options)
+                    claimed = None if slot is None else slot.slot
+                    code = self._supervise(lease, child_argv, options, claimed)
                     lease.exit_code = code
                     if code != 0:
                         lease._outcome = "lost" if self.terminated else "failed"
@@ -227,8 +230,17 @@ class Command(BaseCommand):
             fix = "" if given is not None else " Name the lock with --name."
             raise CommandError(f"{exc}{fix}", returncode=EXIT_USAGE) from None
 
-    def _supervise(self, lease: Lease, child_argv: list[str], options: dict[str, Any]) -> int:
+    def _supervise(
+        self,
+        lease: Lease,
+        child_argv: list[str],
+        options: dict[str, Any],
+        slot: datetime.datetime | None,
+    ) -> int:
         """Run the job (the child and its process group) through a guardian; its exit status.
+
+        The job is lent the grant, and the schedule ``slot`` claimed for it (see
+        :mod:`django_pglock.inherit`).
 
         Nothing here waits on the database: once the lease is lost, only the job's
         process group is waited for.
@@ -237,8 +249,7 @@ class Command(BaseCommand):
         wakeup = _Wakeup()  # the lease's loss wakes the loop in _watch()
         lease.on_lost(lambda _lease: wakeup.poke())
         env = dict(os.environ)
-        env["DJANGO_PGLOCK_NAME"] = lease.name
-        env["DJANGO_PGLOCK_TOKEN"] = str(lease.token)
+        lend(env, lease.name, lease.token, slot)
         if not options["shell"]:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
         # Signals ignored where locked_run runs (nohup) are neither forwarded nor
