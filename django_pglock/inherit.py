@@ -198,8 +198,10 @@ def _outside_the_job() -> str:
     try:
         group = int(text)
     except ValueError:
+        group = 0
+    if group <= 0:
         return f"comes without the job's process group ({GROUP_VARIABLE}={text[:40]!r})"
-    if group <= 0 or os.getpgrp() != group:
+    if os.getpgrp() != group:
         return (
             f"was lent to the process group {group} of locked_run's job, and this process "
             f"(group {os.getpgrp()}) left it (setsid, a daemon): it is not part of the job"
