@@ -7,14 +7,12 @@ lost. ``--shell -- <argv…>`` wraps any program instead of a management command
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import os
 import random
 import select
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from types import FrameType
@@ -30,6 +28,7 @@ from django_pglock.identity import redact
 from django_pglock.inherit import lend
 from django_pglock.lock import Lease, Lock, validate_name
 from django_pglock.management.cli import database_option, reports_database_errors
+from django_pglock.management.wakeup import Wakeup
 from django_pglock.redaction import redact_argv
 from django_pglock.runs import SkipReason, record_skipped
 from django_pglock.schedule import ScheduleSlot
@@ -246,7 +245,7 @@ class Command(BaseCommand):
         process group is waited for.
         """
         grace = options["kill_grace"]
-        wakeup = _Wakeup()  # the lease's loss wakes the loop in _watch()
+        wakeup = Wakeup()  # the lease's loss wakes the loop in _watch()
         lease.on_lost(lambda _lease: wakeup.poke())
         env = dict(os.environ)
         lend(env, lease.name, lease.token, slot)
@@ -302,7 +301,7 @@ class Command(BaseCommand):
         return 128 - code if code < 0 else code
 
     def _watch(
-        self, job: GuardedJob, lease: Lease, wakeup: _Wakeup, options: dict[str, Any]
+        self, job: GuardedJob, lease: Lease, wakeup: Wakeup, options: dict[str, Any]
     ) -> None:
         """Wait until the job's process group is gone, acting on the lease's loss."""
         terminate = options["on_lost"] == "terminate"
@@ -357,34 +356,6 @@ class Command(BaseCommand):
             job.forward(signal.SIGTERM, kill_after)
         else:
             job.kill()
-
-
-class _Wakeup:
-    """A pipe that other threads write to, to wake a ``select`` (safe after ``close``)."""
-
-    def __init__(self) -> None:
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._read, False)
-        os.set_blocking(self._write, False)
-        self._lock = threading.Lock()
-
-    def fileno(self) -> int:
-        return self._read
-
-    def poke(self) -> None:
-        with self._lock, contextlib.suppress(OSError):
-            if self._write >= 0:
-                os.write(self._write, b"x")
-
-    def drain(self) -> None:
-        with contextlib.suppress(OSError):
-            os.read(self._read, 512)
-
-    def close(self) -> None:
-        with self._lock:
-            os.close(self._read)
-            os.close(self._write)
-            self._read = self._write = -1
 
 
 def _lock_socket(lease: Lease) -> int | None:
