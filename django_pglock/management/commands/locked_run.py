@@ -234,7 +234,7 @@ class Command(BaseCommand):
         lease: Lease,
         child_argv: list[str],
         options: dict[str, Any],
-        slot: datetime.datetime | None,
+        slot: datetime.datetime | None = None,
     ) -> int:
         """Run the job (the child and its process group) through a guardian; its exit status.
 
