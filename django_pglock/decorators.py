@@ -12,9 +12,9 @@ from typing import Any, TypeVar, overload
 from .conf import check_seconds, get_setting
 from .context import running_under
 from .exceptions import LockNotHeld
-from .inherit import offered, parent_grant
+from .inherit import InheritedLease, offered, parent_grant
 from .lock import Lease, Lock, validate_name
-from .runs import SkipReason, record_skipped
+from .runs import SkipReason, record_skipped, record_skipped_under
 from .schedule import ScheduleSlot
 
 __all__ = ["singleton_job"]
@@ -124,18 +124,22 @@ class _SingletonJob:
             report(args, f"lock {lock.name!r} is held by {_describe(holder)}")
             record_skipped(lock, SkipReason.TIMED_OUT if self.blocking else SkipReason.HELD)
 
-        def first_in_slot(
-            lock: Lock, lease: Lease | None, args: tuple[Any, ...], parent: str | None = None
-        ) -> bool:
-            """Claim the schedule slot (``parent``: a claim by that holder counts as ours).
-            Without a lease (under locked_run's grant) its run is locked_run's to record."""
+        def first_in_slot(lock: Lock, lease: Lease | InheritedLease, args: tuple[Any, ...]) -> bool:
+            """Claim the schedule slot. Under locked_run's grant, a claim by that holder
+            counts as ours, and the slot it passed is ours; a skip finishes its run."""
             if self.schedule is None:
                 return True
             slot = ScheduleSlot(self.schedule, lock.name, using=lock.using)
-            if slot.claim(parent):
+            if isinstance(lease, InheritedLease):
+                claimed = slot.claim(lease.holder, lease.slot)
+            else:
+                claimed = slot.claim()
+            if claimed:
                 return True
             report(args, f"schedule slot {slot.slot_label} of {lock.name!r} already started")
-            if lease is not None:
+            if isinstance(lease, InheritedLease):
+                record_skipped_under(lease, SkipReason.SLOT_TAKEN)
+            else:
                 record_skipped(lock, SkipReason.SLOT_TAKEN, lease)
             return False
 
@@ -147,8 +151,7 @@ class _SingletonJob:
                 if offered(lock.name):  # locked_run's job: maybe under its grant
                     inherited = await asyncio.to_thread(parent_grant, lock)
                     if inherited is not None:
-                        parent = inherited.holder
-                        if not await asyncio.to_thread(first_in_slot, lock, None, args, parent):
+                        if not await asyncio.to_thread(first_in_slot, lock, inherited, args):
                             return None
                         with running_under(inherited):
                             return await func(*args, **kwargs)
@@ -169,7 +172,7 @@ class _SingletonJob:
             lock = lock_for(args, kwargs)
             inherited = parent_grant(lock) if offered(lock.name) else None
             if inherited is not None:  # locked_run's job, under its grant
-                if not first_in_slot(lock, None, args, inherited.holder):
+                if not first_in_slot(lock, inherited, args):
                     return None
                 with running_under(inherited):
                     return func(*args, **kwargs)

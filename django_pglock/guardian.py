@@ -9,7 +9,8 @@ start) that
   parent are re-parented to it and reaped by it;
 * starts the job in a new session, so the job and everything it starts form one
   process group (the job's "tree") outside the terminal's foreground group: a Ctrl-C
-  reaches the job once, forwarded by ``locked_run``;
+  reaches the job once, forwarded by ``locked_run``; the group's id is in the job's
+  environment (``DJANGO_PGLOCK_JOB_PGID``): only its members run under the grant;
 * holds a duplicate of the lock connection's socket without ever reading or writing
   it, so the lock's server session, and with it the advisory key, lasts until the
   guardian exits, which it does only once no process of the group is left;
@@ -41,7 +42,11 @@ import sys
 import time
 from collections.abc import Sequence
 
-__all__ = ["POLL", "group_alive", "main", "signal_group"]
+__all__ = ["GROUP_VARIABLE", "POLL", "group_alive", "main", "signal_group"]
+
+#: The job's process group id, in the job's environment: only its members run under
+#: ``locked_run``'s grant (see ``django_pglock.inherit``).
+GROUP_VARIABLE = "DJANGO_PGLOCK_JOB_PGID"
 
 PR_SET_CHILD_SUBREAPER = 36
 ORDERS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # never for the guardian itself
@@ -140,7 +145,7 @@ class _Guardian:
         try:
             # A new session: a process group of its own, and no controlling terminal,
             # so the terminal's job control never reaches it behind locked_run's back.
-            job = subprocess.Popen(argv, start_new_session=True)
+            job = subprocess.Popen(argv, start_new_session=True, preexec_fn=_name_group)
         except OSError as exc:
             self.report(f"failed {exc.errno or 0}")
             return False
@@ -222,6 +227,12 @@ class _Guardian:
                 return
             if pid == self.pgid:
                 self.status = os.waitstatus_to_exitcode(status)
+
+
+def _name_group() -> None:
+    """In the job, before its program starts: name its process group (its own pid, as the
+    leader of a new session) in its environment, inherited by all it starts."""
+    os.environ[GROUP_VARIABLE] = str(os.getpid())
 
 
 def _ignore(signum: int, frame: object) -> None:

@@ -9,12 +9,18 @@ and skip; instead it runs under the parent's grant, once the grant is proven rea
 * the lock's row exists now with that token (so the grant is current: a reclaim, a
   forced release or a release gives the name a new token or none);
 * the row's holder runs on this host and is an ancestor of this process (its pid is
-  met walking up the parent pids; ``locked_run``'s guardian sits in between).
+  met walking up the parent pids; ``locked_run``'s guardian sits in between);
+* this process is in the job's process group, the one ``locked_run`` waits for and
+  stops on loss (the guardian names it in ``DJANGO_PGLOCK_JOB_PGID``): a descendant
+  that left it (``setsid``, a daemon) is no longer part of the job.
 
 Otherwise (a cron line that exports the variables, a copied environment, a process
-started after the parent lost the lock) the variables are ignored and the lock is
-tried as usual. A process under the parent's grant never heartbeats, releases or
-records a run: ``locked_run`` does, and stops its whole job if the lease is lost.
+started after the parent lost the lock, a detached descendant) the variables are
+ignored and the lock is tried as usual. A process under the parent's grant never
+heartbeats, releases or records a run: ``locked_run`` does, and stops its whole job if
+the lease is lost. ``locked_run --schedule`` also passes the slot it claimed in
+``DJANGO_PGLOCK_SLOT`` (an ISO 8601 timestamp): a ``@singleton_job(schedule=...)`` under
+the grant runs in exactly that slot instead of computing one later.
 """
 
 from __future__ import annotations
@@ -31,16 +37,20 @@ from django.db import connections
 from . import sql
 from .connection import get_connection
 from .exceptions import LockError, LockNotHeld
+from .guardian import GROUP_VARIABLE
 from .identity import current
 
 if TYPE_CHECKING:
     from .lock import Lock
 
 __all__ = [
+    "GROUP_VARIABLE",
     "NAME_VARIABLE",
+    "SLOT_VARIABLE",
     "TOKEN_VARIABLE",
     "InheritedLease",
     "ancestors",
+    "lend",
     "offered",
     "parent_grant",
 ]
@@ -49,6 +59,7 @@ logger = logging.getLogger("django_pglock")
 
 NAME_VARIABLE = "DJANGO_PGLOCK_NAME"
 TOKEN_VARIABLE = "DJANGO_PGLOCK_TOKEN"
+SLOT_VARIABLE = "DJANGO_PGLOCK_SLOT"
 _MAX_TOKEN = 2**63 - 1
 _MAX_DEPTH = 256  # parent pids walked at most (a loop in a broken /proc ends there)
 
@@ -59,7 +70,8 @@ class InheritedLease:
     What :func:`~django_pglock.current_lease` returns inside a ``@singleton_job`` that
     runs under its parent's grant. Attributes: ``name``, ``token`` (the parent's fencing
     token), ``holder`` (the parent's holder id), ``acquired_at``, ``using``, and
-    ``inherited = True``. :meth:`check` and :meth:`guard` work as on a
+    ``inherited = True``, and ``slot``: the schedule slot the parent claimed
+    (``locked_run --schedule``), or ``None``. :meth:`check` and :meth:`guard` work as on a
     :class:`~django_pglock.Lease`; ``lost`` turns true once one of them found the grant
     gone (the job does not heartbeat: ``locked_run`` does, and terminates its job when
     the lease is lost). It cannot be released: the parent releases it.
@@ -68,13 +80,20 @@ class InheritedLease:
     inherited = True
 
     def __init__(
-        self, name: str, token: int, holder: str, acquired_at: datetime.datetime, using: str
+        self,
+        name: str,
+        token: int,
+        holder: str,
+        acquired_at: datetime.datetime,
+        using: str,
+        slot: datetime.datetime | None = None,
     ) -> None:
         self.name = name
         self.token = token
         self.holder = holder
         self.acquired_at = acquired_at
         self.using = using
+        self.slot = slot
         self._lost = False
 
     def __repr__(self) -> str:
@@ -153,7 +172,62 @@ def parent_grant(lock: Lock) -> InheritedLease | None:
     if host != current().host or pid not in ancestors():
         _ignored(name, text, f"belongs to {holder}, which did not start this process")
         return None
-    return InheritedLease(name, token, holder, acquired_at, alias)
+    outside = _outside_the_job()
+    if outside:
+        _ignored(name, text, outside)
+        return None
+    return InheritedLease(name, token, holder, acquired_at, alias, _lent_slot())
+
+
+def lend(env: dict[str, str], name: str, token: int, slot: datetime.datetime | None) -> None:
+    """Put a grant in ``env``, the environment of ``locked_run``'s job: the lock's
+    ``name``, its ``token`` and the schedule ``slot`` claimed for this run (if any). The
+    guardian adds the job's process group (:data:`GROUP_VARIABLE`) when it starts the job."""
+    env[NAME_VARIABLE] = name
+    env[TOKEN_VARIABLE] = str(token)
+    env.pop(GROUP_VARIABLE, None)
+    if slot is None:
+        env.pop(SLOT_VARIABLE, None)
+    else:
+        env[SLOT_VARIABLE] = slot.isoformat()
+
+
+def _outside_the_job() -> str:
+    """Why this process is not in the job's process group (``""`` when it is)."""
+    text = os.environ.get(GROUP_VARIABLE, "")
+    try:
+        group = int(text)
+    except ValueError:
+        group = 0
+    if group <= 0:
+        return f"comes without the job's process group ({GROUP_VARIABLE}={text[:40]!r})"
+    if os.getpgrp() != group:
+        return (
+            f"was lent to the process group {group} of locked_run's job, and this process "
+            f"(group {os.getpgrp()}) left it (setsid, a daemon): it is not part of the job"
+        )
+    return ""
+
+
+def _lent_slot() -> datetime.datetime | None:
+    """The schedule slot the parent claimed (:data:`SLOT_VARIABLE`), if it is a timestamp
+    with a UTC offset; else ``None`` (with a warning when there was a value)."""
+    text = os.environ.get(SLOT_VARIABLE)
+    if not text:
+        return None
+    try:
+        slot = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        slot = None
+    if slot is None or slot.utcoffset() is None:
+        logger.warning(
+            "django_pglock: %s=%r is not an ISO 8601 timestamp with a UTC offset; the "
+            "schedule slot is computed as usual.",
+            SLOT_VARIABLE,
+            text[:40],
+        )
+        return None
+    return slot
 
 
 def _ignored(name: str, text: str, why: str) -> None:

@@ -17,10 +17,11 @@ from .connection import get_connection
 from .identity import current
 
 if TYPE_CHECKING:
+    from .inherit import InheritedLease
     from .lease import Lease
     from .lock import Lock
 
-__all__ = ["SkipReason", "record_skipped"]
+__all__ = ["SkipReason", "record_skipped", "record_skipped_under"]
 
 
 class SkipReason(models.TextChoices):
@@ -62,3 +63,13 @@ def record_skipped(lock: Lock, reason: SkipReason, lease: Lease | None = None) -
         },
     )
     testcases.note(alias, run_id=rows[0][0])  # inside a TestCase: undone when it ends
+
+
+def record_skipped_under(inherited: InheritedLease, reason: SkipReason) -> None:
+    """Finish the run of the parent whose grant this job inherited as ``skipped``: the
+    job (``locked_run``'s) did not run its body. Nothing when the parent records no run;
+    the parent's release leaves a finished run as it is."""
+    get_connection(inherited.using).execute(
+        sql.FINISH_SKIPPED_INHERITED_RUN,
+        {"name": inherited.name, "token": inherited.token, "reason": reason.value},
+    )

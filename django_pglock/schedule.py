@@ -10,6 +10,7 @@ starts the 03:00 slot like every other host, not the slot before it.
 from __future__ import annotations
 
 import datetime
+import logging
 from typing import Any
 
 from django.conf import settings
@@ -23,6 +24,8 @@ from .identity import current
 
 __all__ = ["ScheduleSlot"]
 
+logger = logging.getLogger("django_pglock")
+
 
 _SECOND = datetime.timedelta(seconds=1)
 
@@ -35,6 +38,14 @@ def _cronsim() -> Any:
             "Schedule slots need the cronsim package; install django-singleton-jobs[schedule]."
         ) from None
     return cronsim
+
+
+def _later(local: datetime.datetime, zone: datetime.tzinfo, seconds: int = 1) -> datetime.datetime:
+    """``seconds`` real seconds after ``local``, in ``zone``. Computed in UTC: local
+    wall-clock arithmetic drops ``fold``, so in the repeated hour of a DST change
+    ``local + 1 s`` would be an hour earlier."""
+    utc = local.astimezone(datetime.timezone.utc)
+    return (utc + seconds * _SECOND).astimezone(zone)
 
 
 class ScheduleSlot:
@@ -83,9 +94,10 @@ class ScheduleSlot:
         cronsim = _cronsim()
         # Cron ticks fall on whole seconds: from the whole second at or before now, the
         # first tick forward is after now, and reverse from a second later is at or before.
-        local = timezone.localtime(now, timezone.get_current_timezone()).replace(microsecond=0)
+        zone = timezone.get_current_timezone()
+        local = timezone.localtime(now, zone).replace(microsecond=0)
         previous: datetime.datetime = next(
-            cronsim.CronSim(self.expression, local + _SECOND, reverse=True)
+            cronsim.CronSim(self.expression, _later(local, zone), reverse=True)
         )
         if tolerance > 0:
             following: datetime.datetime = next(cronsim.CronSim(self.expression, local))
@@ -95,17 +107,41 @@ class ScheduleSlot:
                 return following
         return previous
 
-    def claim(self, parent: str | None = None) -> bool:
+    def is_tick(self, moment: datetime.datetime) -> bool:
+        """Whether ``moment`` (aware) is a tick of the expression in the active time zone."""
+        zone = timezone.get_current_timezone()
+        local = timezone.localtime(moment, zone)
+        if local.microsecond:
+            return False
+        tick: datetime.datetime = next(_cronsim().CronSim(self.expression, _later(local, zone, -1)))
+        return tick.timestamp() == local.timestamp()
+
+    def claim(self, parent: str | None = None, slot: datetime.datetime | None = None) -> bool:
         """Record the start of the current slot; ``True`` only for the first caller.
 
         ``parent``: the holder whose grant this run inherited (see :mod:`.inherit`); a
-        slot that holder claimed already counts as claimed by this run.
+        slot that holder claimed already counts as claimed by this run. ``slot``: the
+        slot that holder claimed for this run (``locked_run --schedule``): if it is a tick
+        of this expression, the run is in exactly that slot (``True`` only if the
+        parent's claim of it stands) instead of the slot computed now.
         """
         alias = validate_alias(self.using if self.using is not None else get_setting("DATABASE"))
         testcases.settle()  # what ended TestCase transactions left goes first
         # On the dedicated autocommit connection: a claim never joins the caller's
         # transaction, so it is visible to other hosts at once.
         conn = get_connection(alias)
+        if parent is not None and slot is not None:
+            if self.is_tick(slot):
+                self.slot = timezone.localtime(slot, timezone.get_current_timezone())
+                params = {"name": self.name, "slot": self.slot, "parent": parent}
+                return bool(conn.execute(sql.SLOT_CLAIMED_BY, params))
+            logger.warning(
+                "django_pglock: the slot %s passed by the parent is not a tick of %r; the "
+                "schedule slot of %r is computed as usual.",
+                slot.isoformat(),
+                self.expression,
+                self.name,
+            )
         ((now,),) = conn.execute(sql.NOW, {})
         self.slot = self.current_slot(now)
         params = {"name": self.name, "slot": self.slot, "holder": current().holder}

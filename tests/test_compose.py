@@ -227,6 +227,7 @@ def test_a_grant_held_by_an_ancestor_on_this_host_is_inherited(db, monkeypatch):
     try:
         monkeypatch.setenv("DJANGO_PGLOCK_NAME", name)
         monkeypatch.setenv("DJANGO_PGLOCK_TOKEN", str(lease.token))
+        monkeypatch.setenv("DJANGO_PGLOCK_JOB_PGID", str(os.getpgrp()))  # in the job
         assert parent_grant(Lock(name)) is None  # this process holds it: not a parent
         held_by_my_parent(db, lease)
         inherited = parent_grant(Lock(name))
@@ -257,6 +258,7 @@ def test_an_inherited_lease_whose_row_is_gone_is_lost(db, monkeypatch):
     held_by_my_parent(db, lease)
     monkeypatch.setenv("DJANGO_PGLOCK_NAME", name)
     monkeypatch.setenv("DJANGO_PGLOCK_TOKEN", str(lease.token))
+    monkeypatch.setenv("DJANGO_PGLOCK_JOB_PGID", str(os.getpgrp()))  # in the job
     inherited = parent_grant(Lock(name))
     guarded = parent_grant(Lock(name))
     assert force_release(name) is not None
@@ -280,6 +282,7 @@ def test_an_inherited_lease_guards_only_inside_a_transaction(db, monkeypatch):
         held_by_my_parent(db, lease)
         monkeypatch.setenv("DJANGO_PGLOCK_NAME", name)
         monkeypatch.setenv("DJANGO_PGLOCK_TOKEN", str(lease.token))
+        monkeypatch.setenv("DJANGO_PGLOCK_JOB_PGID", str(os.getpgrp()))  # in the job
         inherited = parent_grant(Lock(name))
         with pytest.raises(LockError, match=r"transaction\.atomic\(using='default'\)"):
             inherited.guard()
@@ -295,6 +298,7 @@ def test_a_job_under_its_parents_grant_neither_releases_nor_records(db, monkeypa
         held_by_my_parent(db, parent)
         monkeypatch.setenv("DJANGO_PGLOCK_NAME", name)
         monkeypatch.setenv("DJANGO_PGLOCK_TOKEN", str(parent.token))
+        monkeypatch.setenv("DJANGO_PGLOCK_JOB_PGID", str(os.getpgrp()))  # in the job
         seen = []
         if kind == "sync":
 
@@ -326,6 +330,7 @@ def test_an_async_job_offered_a_grant_it_cannot_prove_takes_its_own_lock(monkeyp
     name = unique("async-own")
     monkeypatch.setenv("DJANGO_PGLOCK_NAME", name)
     monkeypatch.setenv("DJANGO_PGLOCK_TOKEN", str(2**62))  # no row of that name carries it
+    monkeypatch.setenv("DJANGO_PGLOCK_JOB_PGID", str(os.getpgrp()))  # in the job
 
     @singleton_job(name)
     async def job():

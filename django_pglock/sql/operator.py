@@ -13,6 +13,7 @@ __all__ = [
     "CLAIM_SLOT",
     "CLAIM_SLOT_UNDER",
     "FINISH_LOST_RUN",
+    "FINISH_SKIPPED_INHERITED_RUN",
     "FINISH_SKIPPED_RUN",
     "FORCE_RELEASE",
     "HOLDER",
@@ -20,6 +21,7 @@ __all__ = [
     "PRUNE_CLAIMS",
     "PRUNE_RUNS",
     "RECORD_SKIPPED",
+    "SLOT_CLAIMED_BY",
 ]
 
 # A skipped call of a recorded job that was not granted the lock: one finished row, with
@@ -39,6 +41,14 @@ FINISH_SKIPPED_RUN = f"""
 UPDATE {_RUNS} SET finished_at = now(), outcome = 'skipped', reason = %(reason)s,
     duration = extract(epoch FROM now() - started_at)::float8
 WHERE id = %(run_id)s AND finished_at IS NULL
+"""
+
+# The same for a job under its parent's grant (locked_run's job, which knows the grant's
+# name and token, not the run's id): the run the parent's grant started ends as skipped.
+FINISH_SKIPPED_INHERITED_RUN = f"""
+UPDATE {_RUNS} SET finished_at = now(), outcome = 'skipped', reason = %(reason)s,
+    duration = extract(epoch FROM now() - started_at)::float8
+WHERE name = %(name)s AND token = %(token)s AND finished_at IS NULL
 """
 
 # Pruning: run history older than the cutoff (database clock), except a run still going on.
@@ -114,6 +124,12 @@ INSERT INTO {quote_name("django_pglock_scheduleclaim")} AS c (name, slot, holder
 VALUES (%(name)s, %(slot)s, %(holder)s, now())
 ON CONFLICT (name, slot) DO UPDATE SET holder = c.holder WHERE c.holder = %(parent)s
 RETURNING id
+"""
+
+# The slot locked_run --schedule claimed and passed to its job (DJANGO_PGLOCK_SLOT): the job
+# runs in it only if that very claim is the parent holder's.
+SLOT_CLAIMED_BY = f"""
+SELECT id FROM {_CLAIMS} WHERE name = %(name)s AND slot = %(slot)s AND holder = %(parent)s
 """
 
 # The database clock, for computing schedule slots.

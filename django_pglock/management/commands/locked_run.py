@@ -7,13 +7,12 @@ lost. ``--shell -- <argv…>`` wraps any program instead of a management command
 from __future__ import annotations
 
 import argparse
-import contextlib
+import datetime
 import os
 import random
 import select
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from types import FrameType
@@ -26,8 +25,10 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_pglock.conf import get_setting
 from django_pglock.exceptions import LockNotHeld
 from django_pglock.identity import redact
+from django_pglock.inherit import lend
 from django_pglock.lock import Lease, Lock, validate_name
 from django_pglock.management.cli import database_option, reports_database_errors
+from django_pglock.management.wakeup import Wakeup
 from django_pglock.redaction import redact_argv
 from django_pglock.runs import SkipReason, record_skipped
 from django_pglock.schedule import ScheduleSlot
@@ -192,7 +193,8 @@ class Command(BaseCommand):
                     )
                     record_skipped(lock, SkipReason.SLOT_TAKEN, lease)
                 else:
-                    code = self._supervise(lease, child_argv, options)
+                    claimed = None if slot is None else slot.slot
+                    code = self._supervise(lease, child_argv, options, claimed)
                     lease.exit_code = code
                     if code != 0:
                         lease._outcome = "lost" if self.terminated else "failed"
@@ -227,18 +229,26 @@ class Command(BaseCommand):
             fix = "" if given is not None else " Name the lock with --name."
             raise CommandError(f"{exc}{fix}", returncode=EXIT_USAGE) from None
 
-    def _supervise(self, lease: Lease, child_argv: list[str], options: dict[str, Any]) -> int:
+    def _supervise(
+        self,
+        lease: Lease,
+        child_argv: list[str],
+        options: dict[str, Any],
+        slot: datetime.datetime | None = None,
+    ) -> int:
         """Run the job (the child and its process group) through a guardian; its exit status.
+
+        The job is lent the grant, and the schedule ``slot`` claimed for it (see
+        :mod:`django_pglock.inherit`).
 
         Nothing here waits on the database: once the lease is lost, only the job's
         process group is waited for.
         """
         grace = options["kill_grace"]
-        wakeup = _Wakeup()  # the lease's loss wakes the loop in _watch()
+        wakeup = Wakeup()  # the lease's loss wakes the loop in _watch()
         lease.on_lost(lambda _lease: wakeup.poke())
         env = dict(os.environ)
-        env["DJANGO_PGLOCK_NAME"] = lease.name
-        env["DJANGO_PGLOCK_TOKEN"] = str(lease.token)
+        lend(env, lease.name, lease.token, slot)
         if not options["shell"]:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
         # Signals ignored where locked_run runs (nohup) are neither forwarded nor
@@ -291,7 +301,7 @@ class Command(BaseCommand):
         return 128 - code if code < 0 else code
 
     def _watch(
-        self, job: GuardedJob, lease: Lease, wakeup: _Wakeup, options: dict[str, Any]
+        self, job: GuardedJob, lease: Lease, wakeup: Wakeup, options: dict[str, Any]
     ) -> None:
         """Wait until the job's process group is gone, acting on the lease's loss."""
         terminate = options["on_lost"] == "terminate"
@@ -346,34 +356,6 @@ class Command(BaseCommand):
             job.forward(signal.SIGTERM, kill_after)
         else:
             job.kill()
-
-
-class _Wakeup:
-    """A pipe that other threads write to, to wake a ``select`` (safe after ``close``)."""
-
-    def __init__(self) -> None:
-        self._read, self._write = os.pipe()
-        os.set_blocking(self._read, False)
-        os.set_blocking(self._write, False)
-        self._lock = threading.Lock()
-
-    def fileno(self) -> int:
-        return self._read
-
-    def poke(self) -> None:
-        with self._lock, contextlib.suppress(OSError):
-            if self._write >= 0:
-                os.write(self._write, b"x")
-
-    def drain(self) -> None:
-        with contextlib.suppress(OSError):
-            os.read(self._read, 512)
-
-    def close(self) -> None:
-        with self._lock:
-            os.close(self._read)
-            os.close(self._write)
-            self._read = self._write = -1
 
 
 def _lock_socket(lease: Lease) -> int | None:
