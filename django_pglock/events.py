@@ -46,18 +46,14 @@ def configured_metrics() -> Any | None:
 
 
 def send(signal: Signal, sender: Any, **kwargs: Any) -> None:
-    """Send ``signal``; a receiver that raises is logged and does not stop the others."""
+    """Send ``signal``; a receiver that raises does not stop the others.
+
+    Django's ``send_robust`` logs such an exception itself (logger ``django.dispatch``,
+    with its traceback), so it is not logged again here: one failing receiver, one record.
+    """
     if not signal.receivers:
         return
-    for receiver, result in signal.send_robust(sender=sender, **kwargs):
-        if isinstance(result, Exception):
-            logger.error(
-                "django_pglock: signal receiver %r raised %s: %s",
-                receiver,
-                type(result).__name__,
-                result,
-                exc_info=(type(result), result, result.__traceback__),
-            )
+    signal.send_robust(sender=sender, **kwargs)
 
 
 def call_metrics(hooks: tuple[Any, ...], method: str, *args: Any) -> None:

@@ -51,13 +51,24 @@ UPDATE {_RUNS} SET finished_at = now(), outcome = 'skipped', reason = %(reason)s
 WHERE name = %(name)s AND token = %(token)s AND finished_at IS NULL
 """
 
-# Pruning: run history older than the cutoff (database clock), except a run still going on.
+# Pruning, in batches (see pglock_prune): up to %(batch)s rows after id %(after)s, in id
+# order, that are older than the cutoff (taken once from the database clock). Returns how
+# many it deleted, how many it picked and the last id picked (where the next batch starts);
+# fewer picked than the batch size means done. Nothing else comes back to the client.
+# Runs: kept whatever their age, a run still going on.
 PRUNE_RUNS = f"""
-DELETE FROM {_RUNS} r
-WHERE coalesce(r.finished_at, r.started_at) < now() - %(age)s * interval '1 second'
-  AND NOT (r.finished_at IS NULL
-           AND EXISTS (SELECT 1 FROM {_T} j WHERE j.name = r.name AND j.token = r.token))
-RETURNING 1
+WITH batch AS (
+    SELECT r.id FROM {_RUNS} r
+    WHERE r.id > %(after)s
+      AND coalesce(r.finished_at, r.started_at) < %(cutoff)s
+      AND NOT (r.finished_at IS NULL
+               AND EXISTS (SELECT 1 FROM {_T} j WHERE j.name = r.name AND j.token = r.token))
+    ORDER BY r.id
+    LIMIT %(batch)s
+), gone AS (
+    DELETE FROM {_RUNS} r USING batch WHERE r.id = batch.id RETURNING 1
+)
+SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM batch), (SELECT max(id) FROM batch)
 """
 
 # The run of a holder that lost its grant to a takeover or a forced release (it may be
@@ -68,12 +79,20 @@ UPDATE {_RUNS} SET finished_at = now(), outcome = 'lost',
 WHERE name = %(name)s AND token = %(token)s AND finished_at IS NULL
 """
 # Schedule claims older than the cutoff, except the latest slot claimed for each job: that
-# one may still be the current slot, and without it the slot would start again.
+# one may still be the current slot, and without it the slot would start again. Batched
+# like PRUNE_RUNS.
 PRUNE_CLAIMS = f"""
-DELETE FROM {_CLAIMS} c
-WHERE c.claimed_at < now() - %(age)s * interval '1 second'
-  AND EXISTS (SELECT 1 FROM {_CLAIMS} n WHERE n.name = c.name AND n.slot > c.slot)
-RETURNING 1
+WITH batch AS (
+    SELECT c.id FROM {_CLAIMS} c
+    WHERE c.id > %(after)s
+      AND c.claimed_at < %(cutoff)s
+      AND EXISTS (SELECT 1 FROM {_CLAIMS} n WHERE n.name = c.name AND n.slot > c.slot)
+    ORDER BY c.id
+    LIMIT %(batch)s
+), gone AS (
+    DELETE FROM {_CLAIMS} c USING batch WHERE c.id = batch.id RETURNING 1
+)
+SELECT (SELECT count(*) FROM gone), (SELECT count(*) FROM batch), (SELECT max(id) FROM batch)
 """
 
 # Who holds a name now (after a refusal whose snapshot predates the holder's commit).

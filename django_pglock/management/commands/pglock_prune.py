@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import re
+from datetime import timedelta
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_pglock import sql
 from django_pglock.conf import MAX_SECONDS
-from django_pglock.connection import get_connection
+from django_pglock.connection import LockConnection, get_connection
 from django_pglock.management.cli import database_option, reports_database_errors
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 #: The oldest age that can be asked for: 100 years, well inside PostgreSQL's timestamps.
 MAX_AGE_DAYS = int(MAX_SECONDS // 86400)
+#: Rows deleted per statement: each statement stays far below the lock session's 30 s
+#: statement timeout, and only three numbers come back per batch, whatever the table's size.
+BATCH_SIZE = 10_000
 
 
 def parse_age(text: str) -> float:
@@ -51,9 +55,30 @@ class Command(BaseCommand):
         age = parse_age(options["older_than"])
         alias = database_option(options["database"])
         conn = get_connection(alias)
-        runs = conn.execute(sql.PRUNE_RUNS, {"age": age})
-        claims = conn.execute(sql.PRUNE_CLAIMS, {"age": age})
+        ((now,),) = conn.execute(sql.NOW, {})
+        cutoff = now - timedelta(seconds=age)  # one cutoff for every batch
+        runs = self._prune(conn, sql.PRUNE_RUNS, cutoff, "run(s)")
+        claims = self._prune(conn, sql.PRUNE_CLAIMS, cutoff, "schedule claim(s)")
         self.stdout.write(
-            f"Deleted {len(runs)} run(s) and {len(claims)} schedule claim(s) older than "
+            f"Deleted {runs} run(s) and {claims} schedule claim(s) older than "
             f"{options['older_than'].strip()}."
         )
+
+    def _prune(self, conn: LockConnection, statement: str, cutoff: Any, what: str) -> int:
+        """Delete in batches of ``BATCH_SIZE`` rows, each its own statement (and
+        transaction); on a terminal, report progress after each full batch."""
+        deleted, after = 0, 0
+        progress = self.stderr.isatty()
+        while True:
+            params = {"after": after, "cutoff": cutoff, "batch": BATCH_SIZE}
+            ((gone, picked, last),) = conn.execute(statement, params)
+            deleted += gone
+            if picked < BATCH_SIZE:
+                break
+            after = last
+            if progress:
+                self.stderr.write(f"Deleting old {what}: {deleted} so far...", ending="\r")
+                self.stderr.flush()
+        if progress and deleted >= BATCH_SIZE:
+            self.stderr.write(f"Deleting old {what}: {deleted} done.     ")
+        return int(deleted)
