@@ -6,13 +6,14 @@ import asyncio
 import functools
 import inspect
 import logging
-from collections.abc import Callable
-from typing import Any, TypeVar, overload
+from collections.abc import Callable, Coroutine
+from typing import Any, Literal, overload
 
 from .conf import check_seconds, get_setting
 from .context import running_under
 from .exceptions import LockNotHeld
 from .inherit import InheritedLease, offered, parent_grant
+from .jobtypes import F, MaySkip, NeverSkips, P, R
 from .lock import Lease, Lock, validate_name
 from .runs import SkipReason, record_skipped, record_skipped_under
 from .schedule import ScheduleSlot
@@ -21,7 +22,6 @@ __all__ = ["singleton_job"]
 
 logger = logging.getLogger("django_pglock")
 
-F = TypeVar("F", bound=Callable[..., Any])
 
 _COMMANDS_PACKAGE = ".management.commands."
 
@@ -207,7 +207,26 @@ def _is_command(obj: object) -> bool:
 
 
 @overload
-def singleton_job(name: F) -> F: ...
+def singleton_job(
+    name: Callable[P, Coroutine[Any, Any, R]],
+) -> Callable[P, Coroutine[Any, Any, R | None]]: ...
+
+
+@overload
+def singleton_job(name: Callable[P, R]) -> Callable[P, R | None]: ...
+
+
+@overload
+def singleton_job(
+    name: str | None = None,
+    *,
+    key: Callable[..., str] | None = None,
+    blocking: Literal[True],
+    timeout: None = None,
+    schedule: None = None,
+    record: bool | None = None,
+    **lock_options: Any,
+) -> NeverSkips: ...
 
 
 @overload
@@ -220,7 +239,7 @@ def singleton_job(
     schedule: str | None = None,
     record: bool | None = None,
     **lock_options: Any,
-) -> Callable[[F], F]: ...
+) -> MaySkip: ...
 
 
 def singleton_job(
