@@ -163,23 +163,6 @@ class LockConnection(Protocol):
             if self._conn is None or self._conn.closed or self._cursor is None:
                 self._conn = self._connect(deadline)
 
-    def _run_or_retry(
-        self, statement: bytes, values: list[Any], deadline: float | None
-    ) -> list[tuple[Any, ...]]:
-        try:
-            return self._run(statement, values, deadline)
-        except (
-            psycopg.errors.DuplicatePreparedStatement,
-            psycopg.errors.InvalidSqlStatementName,
-            psycopg.errors.ProtocolViolation,  # a same-named statement of another query
-        ):
-            # Prepared statements vanish or collide when a transaction-mode pooler
-            # moves the session between server connections. Nothing ran: run it
-            # again unprepared, and leave the advisory path for good.
-            self._prepare = False
-            self._found_pooler("its prepared statements came and went")
-            return self._run(statement, values, deadline)
-
     def note_backend_pid(self, backend_pid: int) -> bool:
         """Compare the server process that ran a statement with this session's.
 

@@ -85,6 +85,28 @@ class Protocol:
     def _abandon_session(self) -> int | None:  # pragma: no cover - defined by LockConnection
         raise NotImplementedError
 
+    def _found_pooler(self, evidence: str) -> None:  # pragma: no cover - by LockConnection
+        raise NotImplementedError
+
+    def _run_or_retry(
+        self, statement: bytes, values: list[Any], deadline: float | None
+    ) -> list[tuple[Any, ...]]:
+        """:meth:`_run`, once more unprepared if a pooler made its prepared statement
+        vanish or collide (nothing ran then)."""
+        try:
+            return self._run(statement, values, deadline)
+        except (
+            psycopg.errors.DuplicatePreparedStatement,
+            psycopg.errors.InvalidSqlStatementName,
+            psycopg.errors.ProtocolViolation,  # a same-named statement of another query
+        ):
+            # Prepared statements vanish or collide when a transaction-mode pooler
+            # moves the session between server connections. Nothing ran: run it
+            # again unprepared, and leave the advisory path for good.
+            self._prepare = False
+            self._found_pooler("its prepared statements came and went")
+            return self._run(statement, values, deadline)
+
     def _abort_in_flight(self) -> tuple[list[tuple[Any, ...]], int | None]:
         """After an exception that left a statement in flight: cancel it and read what
         it returned, so the next statement finds the session idle. A session that cannot
