@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from . import beats, heartbeat, signals, sql, testcases
 from .connection import LockConnection, get_connection
 from .events import call_metrics, send
-from .exceptions import LockError
+from .exceptions import DatabaseUnavailable, LockError
 from .identity import current
 from .lease import Lease
 from .states import Key
@@ -68,18 +68,26 @@ class AttemptMixin:
         return params
 
     def _attempt(
-        self, *, first: bool = True, want_holder: bool = True, sync: bool = False
+        self,
+        *,
+        first: bool = True,
+        want_holder: bool = True,
+        sync: bool = False,
+        deadline: float | None = None,
     ) -> tuple[Lease | None, dict[str, Any] | None]:
         """One acquire statement: ``(lease, previous holder)`` or ``(None, current holder)``.
 
         With ``want_holder=False`` the current holder of a refused attempt is only
-        described when a signal receiver or an alert needs it.
+        described when a signal receiver or an alert needs it. ``deadline``
+        (``time.monotonic()``, a blocking acquire's bound): waiting for the connection,
+        opening a session and each statement end by then, with ``DatabaseUnavailable``;
+        a statement cut off gives its session up, as one with no answer does.
         """
         resolved = self._resolved()
         testcases.settle()  # what ended TestCase transactions left goes first
         conn = get_connection(resolved.alias)
         if resolved.advisory:
-            conn.ensure_open()  # a pooler is looked for when the session opens
+            conn.ensure_open(deadline)  # a pooler is looked for when the session opens
         use_advisory = resolved.advisory and not conn.pooled
         params = self._params(resolved, conn, use_advisory)
         sent = time.monotonic()
@@ -95,16 +103,23 @@ class AttemptMixin:
 
         statement = sql.ACQUIRE_RECORDED if self.record else sql.ACQUIRE
         lease = None
+        # The grant is registered before the connection is let go, so the heartbeat
+        # thread's sweep for orphaned rows never takes a grant being handed over.
+        if not conn.lock.acquire(timeout=_left(deadline)):
+            raise DatabaseUnavailable(
+                f"The lock connection for database alias {conn.alias!r} stayed busy with "
+                "another thread's statement until this acquire's timeout."
+            )
         try:
-            # The grant is registered before the connection is let go, so the heartbeat
-            # thread's sweep for orphaned rows never takes a grant being handed over.
-            with conn.lock:
-                rows = conn.execute(statement, params, after_failure=failed)
+            try:
+                rows = conn.execute(statement, params, after_failure=failed, deadline=deadline)
                 if rows[0][0] is not None:
                     lease = self._lease(rows[0], conn, resolved, params, sent, use_advisory)
+            finally:
+                conn.lock.release()
             if lease is None:
                 return None, self._refused(rows[0], first, want_holder)
-            return lease, self._took(lease, rows[0], conn)
+            return lease, self._took(lease, rows[0], conn, deadline)
         except BaseException:
             if lease is not None:
                 lease._abandon()
@@ -193,7 +208,7 @@ class AttemptMixin:
         return dict(zip(fields, row[4:11], strict=True)), alerting
 
     def _took(
-        self, lease: Lease, row: tuple[Any, ...], conn: LockConnection
+        self, lease: Lease, row: tuple[Any, ...], conn: LockConnection, deadline: float | None
     ) -> dict[str, Any] | None:
         """After a grant: leave the advisory path if a pooler showed itself, and finish
         a reclaimed holder's run. Returns the previous holder, if the grant took over."""
@@ -205,8 +220,15 @@ class AttemptMixin:
         previous, _ = self._previous(row, True)
         if previous is not None:
             # The previous holder may be dead: finish its run, if it recorded one.
-            conn.execute(sql.FINISH_LOST_RUN, {"name": self.name, "token": previous["token"]})
+            finish = {"name": self.name, "token": previous["token"]}
+            conn.execute(sql.FINISH_LOST_RUN, finish, deadline=deadline)
             reason = "stale" if row[12] else "abandoned"
             send(signals.lock_reclaimed, self, lease=lease, previous=previous, reason=reason)
             call_metrics(self._hooks(), "stale_reclaimed", self.name)
         return previous
+
+
+def _left(deadline: float | None) -> float:
+    """Seconds until ``deadline`` (``-1``, no limit, for ``None``), as ``Lock.acquire``
+    takes them."""
+    return -1 if deadline is None else max(0.0, deadline - time.monotonic())

@@ -19,7 +19,6 @@ from typing import Any
 import psycopg
 from psycopg import abc
 
-from . import protocol
 from .conf import get_setting, validate_alias
 from .exceptions import ConnectionBusy, DatabaseUnavailable, LockError, SessionEnded
 from .failures import first_line, is_unavailable
@@ -78,8 +77,8 @@ class LockConnection(Protocol):
         state = "open" if self._conn is not None else "closed"
         return f"<LockConnection alias={self.alias!r} {state} backend_pid={self.backend_pid}>"
 
-    def _connect(self) -> psycopg.Connection[Any]:
-        return open_session(self)
+    def _connect(self, deadline: float | None = None) -> psycopg.Connection[Any]:
+        return open_session(self, deadline)
 
     def execute(
         self,
@@ -89,6 +88,7 @@ class LockConnection(Protocol):
         session: int | None = None,
         wait: float | None = None,
         after_failure: Callable[[list[tuple[Any, ...]], bool], None] | None = None,
+        deadline: float | None = None,
     ) -> list[tuple[Any, ...]]:
         """Run one statement and return its rows; on a broken connection raise ``LockError``.
 
@@ -96,10 +96,11 @@ class LockConnection(Protocol):
         raise :class:`SessionEnded` (a statement about an advisory key must not reconnect).
         ``wait``: seconds to wait for another thread's statement at most, else raise
         :class:`ConnectionBusy`. A statement with no answer within
-        :data:`STATEMENT_DEADLINE` (a stopped server process, a stalled network) gives
-        its session up. An exception raised while the statement is in flight (a signal
-        handler's, such as a job timeout) cancels and drains it before it propagates, so
-        the connection stays usable. Whenever a statement that was sent fails,
+        :data:`STATEMENT_DEADLINE` (a stopped server process, a stalled network), or by
+        ``deadline`` (``time.monotonic()``, a blocking acquire's bound; it bounds opening a
+        session too), gives its session up. An exception raised while the statement is in
+        flight (a signal handler's) cancels and drains it before it propagates, so the
+        connection stays usable. Whenever a statement that was sent fails,
         ``after_failure(rows, session_alive)`` runs first, still holding the connection:
         ``rows`` are what the statement returned anyway, if it completed.
         """
@@ -118,15 +119,15 @@ class LockConnection(Protocol):
                     "has ended."
                 )
             if self._conn is None or self._conn.closed or self._cursor is None:
-                self._conn = self._connect()
+                self._conn = self._connect(deadline)
             try:
-                return self._run_or_retry(statement, values)
-            except NoAnswer:
+                return self._run_or_retry(statement, values, deadline)
+            except NoAnswer as exc:
                 ended = self._abandon_session()  # no answer: no cancel either
                 _call(after_failure, [], False)
                 raise DatabaseUnavailable(
-                    f"A lock statement on database alias {self.alias!r} got no answer within "
-                    f"{protocol.STATEMENT_DEADLINE:g} s; the session was given up."
+                    f"A lock statement on database alias {self.alias!r} got {exc}; the "
+                    "session was given up."
                 ) from None
             except psycopg.Error as exc:
                 lost = self._conn.broken or self._conn.closed
@@ -152,29 +153,15 @@ class LockConnection(Protocol):
             if ended is not None:
                 _tell_session_ended(self, ended)
 
-    def ensure_open(self) -> None:
+    def ensure_open(self, deadline: float | None = None) -> None:
         """Open the session now if it is not open (so that a pooler is looked for, and
-        found, before the caller decides whether to take an advisory key)."""
+        found, before the caller decides whether to take an advisory key); opening it is
+        bounded by ``deadline`` (``time.monotonic()``) as well, if given."""
         if self._conn is not None and not self._conn.closed and self._cursor is not None:
             return
         with self.lock:
             if self._conn is None or self._conn.closed or self._cursor is None:
-                self._conn = self._connect()
-
-    def _run_or_retry(self, statement: bytes, values: list[Any]) -> list[tuple[Any, ...]]:
-        try:
-            return self._run(statement, values)
-        except (
-            psycopg.errors.DuplicatePreparedStatement,
-            psycopg.errors.InvalidSqlStatementName,
-            psycopg.errors.ProtocolViolation,  # a same-named statement of another query
-        ):
-            # Prepared statements vanish or collide when a transaction-mode pooler
-            # moves the session between server connections. Nothing ran: run it
-            # again unprepared, and leave the advisory path for good.
-            self._prepare = False
-            self._found_pooler("its prepared statements came and went")
-            return self._run(statement, values)
+                self._conn = self._connect(deadline)
 
     def note_backend_pid(self, backend_pid: int) -> bool:
         """Compare the server process that ran a statement with this session's.

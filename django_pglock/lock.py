@@ -245,7 +245,8 @@ class Lock(AttemptMixin):
         ``sync``: the attempt is made by the thread that will hold the lease (not by the
         async shell's worker thread), so that thread holding the name already is an error.
         """
-        lease, waiter.holder = self._attempt(first=waiter.attempts == 0, sync=sync)
+        first = waiter.attempts == 0
+        lease, waiter.holder = self._attempt(first=first, sync=sync, deadline=waiter.bound())
         waiter.answered()
         waiter.attempts += 1
         if lease is not None:

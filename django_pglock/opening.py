@@ -4,6 +4,8 @@ wait on the network, the session's setup, and an error that says what each host 
 from __future__ import annotations
 
 import contextlib
+import math
+import time
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -18,7 +20,13 @@ from .failures import describe_hosts, first_line
 if TYPE_CHECKING:
     from .connection import LockConnection
 
-__all__ = ["CONNECT_TIMEOUT", "LOCK_TIMEOUT", "STATEMENT_TIMEOUT", "open_session"]
+__all__ = [
+    "CONNECT_TIMEOUT",
+    "LEAST_CONNECT_TIMEOUT",
+    "LOCK_TIMEOUT",
+    "STATEMENT_TIMEOUT",
+    "open_session",
+]
 
 STATEMENT_TIMEOUT = "30s"
 LOCK_TIMEOUT = "5s"
@@ -26,6 +34,9 @@ LOCK_TIMEOUT = "5s"
 #: accepts TCP but never answers (a stopped old primary) would otherwise hang a new
 #: process until it resumes. ``OPTIONS["connect_timeout"]`` in ``DATABASES`` wins.
 CONNECT_TIMEOUT = 10
+#: The least ``connect_timeout`` a blocking acquire's bound leaves (libpq counts whole
+#: seconds and takes anything below 2 as 2).
+LEAST_CONNECT_TIMEOUT = 2
 # A dead or partitioned server is noticed within about 25 s even with a statement in
 # flight (libpq ignores these on Unix sockets); the holder's own monotonic deadline
 # covers the rest. Options set in DATABASES[alias]["OPTIONS"] win.
@@ -45,8 +56,15 @@ def _connect_once(**params: Any) -> psycopg.Connection[Any]:
     return psycopg.connect(autocommit=True, **params)
 
 
-def open_session(lock_conn: LockConnection) -> psycopg.Connection[Any]:
-    """Open and set up a new session for ``lock_conn``; its attributes follow the session."""
+def open_session(
+    lock_conn: LockConnection, deadline: float | None = None
+) -> psycopg.Connection[Any]:
+    """Open and set up a new session for ``lock_conn``; its attributes follow the session.
+
+    ``deadline`` (``time.monotonic()``, a blocking acquire's bound): each host gets a
+    ``connect_timeout`` no longer than the time left (at least
+    :data:`LEAST_CONNECT_TIMEOUT`), whatever ``DATABASES`` says.
+    """
     wrapper = connections[lock_conn.alias]
     params = dict(wrapper.get_connection_params())
     options = wrapper.settings_dict.get("OPTIONS", {})
@@ -55,6 +73,8 @@ def open_session(lock_conn: LockConnection) -> psycopg.Connection[Any]:
     params.setdefault("application_name", "django_pglock")
     for key, value in _SESSION_DEFAULTS.items():
         params.setdefault(key, value)
+    if deadline is not None:
+        params["connect_timeout"] = _bounded_timeout(params["connect_timeout"], deadline)
     # Prepared statements save planning on every acquire; they are unsafe behind a
     # transaction-mode pooler, which is also when the advisory path is switched off.
     if "prepare_threshold" in options:
@@ -129,6 +149,17 @@ def _as_django(
             f"Could not set up the lock connection for database alias {alias!r} as Django "
             f"does ({what}): {first_line(exc)}. Check DATABASES[{alias!r}]."
         ) from None
+
+
+def _bounded_timeout(configured: Any, deadline: float) -> Any:
+    """``connect_timeout`` for a session opened by ``deadline``: the configured one if it
+    is shorter, else the whole seconds left, at least :data:`LEAST_CONNECT_TIMEOUT`."""
+    left = max(LEAST_CONNECT_TIMEOUT, math.ceil(deadline - time.monotonic()))
+    try:
+        seconds = int(float(configured))
+    except (TypeError, ValueError):
+        return configured  # libpq's own error names it
+    return seconds if 0 < seconds <= left else left
 
 
 def _cannot_connect(alias: str, params: dict[str, Any], exc: psycopg.Error) -> str:

@@ -34,12 +34,26 @@ __all__ = ["DRAIN_TIMEOUT", "STATEMENT_DEADLINE", "NoAnswer", "Protocol", "conve
 #: see (a stopped server process, a stalled network, a commit waiting for a standby).
 STATEMENT_DEADLINE = 32.0
 
+#: How long an interrupted statement may take to be cancelled and drained before the
+#: session is given up instead.
+DRAIN_TIMEOUT = 5.0
+
 
 class NoAnswer(Exception):
-    """A statement got no answer before its deadline."""
+    """A statement got no answer before its deadline: ``within`` seconds, the caller's
+    bound (the time left of a blocking acquire's timeout) when ``caller`` is true."""
+
+    def __init__(self, within: float = STATEMENT_DEADLINE, caller: bool = False) -> None:
+        super().__init__(within, caller)
+        self.within = within
+        self.caller = caller
+
+    def __str__(self) -> str:
+        why = " (the time left of the caller's timeout)" if self.caller else ""
+        return f"no answer within {self.within:.3g} s{why}"
 
 
-def _bounded(gen: Any, deadline: float) -> Any:
+def _bounded(gen: Any, deadline: float, within: float = DRAIN_TIMEOUT, caller: bool = False) -> Any:
     """``gen`` (a psycopg protocol generator), raising :class:`NoAnswer` once ``deadline``
     (``time.monotonic()``) has passed: psycopg resumes it at every poll interval."""
     try:
@@ -47,15 +61,10 @@ def _bounded(gen: Any, deadline: float) -> Any:
         while True:
             ready = yield wanted
             if time.monotonic() > deadline:
-                raise NoAnswer
+                raise NoAnswer(within, caller)
             wanted = gen.send(ready)
     except StopIteration as stop:
         return stop.value
-
-
-#: How long an interrupted statement may take to be cancelled and drained before the
-#: session is given up instead.
-DRAIN_TIMEOUT = 5.0
 
 
 class Protocol:
@@ -75,6 +84,28 @@ class Protocol:
 
     def _abandon_session(self) -> int | None:  # pragma: no cover - defined by LockConnection
         raise NotImplementedError
+
+    def _found_pooler(self, evidence: str) -> None:  # pragma: no cover - by LockConnection
+        raise NotImplementedError
+
+    def _run_or_retry(
+        self, statement: bytes, values: list[Any], deadline: float | None
+    ) -> list[tuple[Any, ...]]:
+        """:meth:`_run`, once more unprepared if a pooler made its prepared statement
+        vanish or collide (nothing ran then)."""
+        try:
+            return self._run(statement, values, deadline)
+        except (
+            psycopg.errors.DuplicatePreparedStatement,
+            psycopg.errors.InvalidSqlStatementName,
+            psycopg.errors.ProtocolViolation,  # a same-named statement of another query
+        ):
+            # Prepared statements vanish or collide when a transaction-mode pooler
+            # moves the session between server connections. Nothing ran: run it
+            # again unprepared, and leave the advisory path for good.
+            self._prepare = False
+            self._found_pooler("its prepared statements came and went")
+            return self._run(statement, values, deadline)
 
     def _abort_in_flight(self) -> tuple[list[tuple[Any, ...]], int | None]:
         """After an exception that left a statement in flight: cancel it and read what
@@ -111,8 +142,14 @@ class Protocol:
         except BaseException:
             return [], self._abandon_session()
 
-    def _run(self, statement: bytes, values: list[Any]) -> list[tuple[Any, ...]]:
+    def _run(
+        self, statement: bytes, values: list[Any], deadline: float | None = None
+    ) -> list[tuple[Any, ...]]:
         """Send one statement on the open session and return its rows (caller holds the lock).
+
+        It gets :data:`STATEMENT_DEADLINE` seconds to answer, or until ``deadline``
+        (``time.monotonic()``, a blocking acquire's bound) if that comes first; then
+        :class:`NoAnswer` is raised and the statement may still run on the server.
 
         The direct path speaks to libpq through psycopg's own protocol step and type
         adapters, as a cursor does, minus the cursor's bookkeeping: that bookkeeping was
@@ -132,7 +169,14 @@ class Protocol:
             if result is None or result.status != pq.ExecStatus.TUPLES_OK:
                 return []
             return cursor.fetchall()
-        deadline = time.monotonic() + STATEMENT_DEADLINE
+        now = time.monotonic()
+        limit, caller = now + STATEMENT_DEADLINE, False
+        if deadline is not None and deadline < limit:
+            limit, caller = deadline, True
+
+        def bounded(gen: Any) -> Any:
+            return _bounded(gen, limit, round(limit - now, 1), caller)
+
         with conn.lock:
             buffers = tx.dump_sequence(values, _formats(len(values)))
             types = tx.types or ()
@@ -146,7 +190,7 @@ class Protocol:
                     # _abort_in_flight from the prepare's own result.
                     self._preparing = (statement, types, name)
                     pgconn.send_prepare(name, statement, param_types=types)
-                    self._check(conn.wait(_bounded(_fetch_results(pgconn), deadline)))
+                    self._check(conn.wait(bounded(_fetch_results(pgconn))))
                     self._preparing = None
                     self._prepared[(statement, types)] = name
                 pgconn.send_query_prepared(name, buffers, param_formats=formats)
@@ -154,7 +198,7 @@ class Protocol:
                 pgconn.send_query_params(
                     statement, buffers, param_types=types, param_formats=formats
                 )
-            result = self._check(conn.wait(_bounded(_fetch_results(pgconn), deadline)))
+            result = self._check(conn.wait(bounded(_fetch_results(pgconn))))
             if result.status != pq.ExecStatus.TUPLES_OK:
                 return []
             tx.set_pgresult(result)

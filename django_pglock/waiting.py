@@ -15,7 +15,7 @@ from .exceptions import DatabaseUnavailable
 if TYPE_CHECKING:
     from .lock import Lock
 
-__all__ = ["RETRY_FIRST", "RETRY_MAX", "WARN_EVERY", "Waiter"]
+__all__ = ["LEAST_ATTEMPT", "RETRY_FIRST", "RETRY_MAX", "WARN_EVERY", "Waiter"]
 
 logger = logging.getLogger("django_pglock")
 
@@ -26,6 +26,10 @@ RETRY_FIRST = 0.1
 RETRY_MAX = 2.0
 #: While the database stays unavailable, a waiter warns again every this many seconds.
 WARN_EVERY = 60.0
+#: The least time each attempt of a blocking acquire with a timeout gets to be answered,
+#: even the last one, made at the timeout itself: a healthy server answers well within
+#: it, so its session is not given up for a statement that was merely started late.
+LEAST_ATTEMPT = 2.0
 
 
 class Waiter:
@@ -50,6 +54,15 @@ class Waiter:
         self.outage: float | None = None  # since when the database is unavailable
         self.failures = 0  # failed attempts in a row, for the backoff
         self.warned_at = 0.0  # when the outage was last logged
+
+    def bound(self) -> float | None:
+        """When (``time.monotonic()``) the attempt starting now must have been answered:
+        the timeout, or :data:`LEAST_ATTEMPT` seconds from now if that is later. ``None``
+        without a timeout or for a non-blocking attempt: each statement then has its own
+        deadline (:data:`~django_pglock.protocol.STATEMENT_DEADLINE`)."""
+        if not self.blocking or self.deadline is None:
+            return None
+        return max(self.deadline, time.monotonic() + LEAST_ATTEMPT)
 
     def current_holder(self) -> dict[str, Any] | None:
         """The holder seen by the last refused attempt; read now if it committed after

@@ -832,7 +832,7 @@ def test_a_pooler_announced_while_an_attempt_waited_takes_its_grant_off_the_advi
     with conn.lock:
         thread, results = other_thread(Lock(waiting, using=alias).try_acquire)
         # The waiting attempt chose the advisory path before the pooler showed itself.
-        blocked_at(thread, attempt_module.AttemptMixin._attempt, "with conn.lock:")
+        blocked_at(thread, attempt_module.AttemptMixin._attempt, "conn.lock.acquire(")
         conn._conn.execute("DEALLOCATE ALL")  # the pooler's doing (see above)
         with caplog.at_level(logging.WARNING, logger="django_pglock"):
             found = Lock(first, using=alias).try_acquire()
