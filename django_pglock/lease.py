@@ -4,7 +4,8 @@ A lease is in exactly one :class:`~.states.State`. Every change goes through
 ``Lease._advance``, which checks it against :data:`~.states.TRANSITIONS`; the callers
 then do the change's work (signals, the registry, statements) outside the state lock.
 The advisory key a lease may hold on the lock connection's session is a second, smaller
-machine (:class:`~.states.Key`, :mod:`.keys`); releasing is in :mod:`.releasing`.
+machine (:class:`~.states.Key`, :mod:`.keys`); releasing is in :mod:`.releasing`, and
+the local deadline, alerts and loss in :mod:`.liveness`.
 """
 
 from __future__ import annotations
@@ -21,13 +22,12 @@ from typing import TYPE_CHECKING
 
 from django.db import connections
 
-from . import beats, heartbeat, signals, sql
+from . import beats, sql
 from .conf import Thresholds
 from .connection import LockConnection
-from .events import call_metrics, send
 from .exceptions import LockError, LockNotHeld
-from .identity import current
 from .keys import KeyMixin
+from .liveness import LivenessMixin
 from .releasing import ReleaseMixin
 from .states import TRANSITIONS, Key, State
 
@@ -67,7 +67,7 @@ def held_by_this_thread(alias: str, name: str) -> Lease | None:
     return lease if lease.state is State.HELD and lease._pid == os.getpid() else None
 
 
-class Lease(KeyMixin, ReleaseMixin):
+class Lease(LivenessMixin, KeyMixin, ReleaseMixin):
     """A granted lock: the right to run until released or lost.
 
     Attributes: ``name``, ``token`` (the fencing token of this grant), ``holder`` (this
@@ -257,115 +257,12 @@ class Lease(KeyMixin, ReleaseMixin):
         if self.state is not State.HELD:
             raise LockNotHeld(f"Lock {self.name!r} (token {self.token}) was released.")
 
-    def _confirm(self, sent: float) -> None:
-        """A heartbeat sent at ``sent`` (monotonic) updated the row, durably."""
-        with self._state_lock:
-            if sent > self._confirmed_at:
-                self._confirmed_at = sent
-                self._deadline = sent + self.stale_after - self._margin
-            self._alerting = False
-
-    def _watch(self, now: float) -> float:
-        """Enforce the local deadline and raise alerts; return when to look again."""
-        if self.state is not State.HELD:
-            return now + 60.0
-        if now > self._deadline:
-            self._mark_lost("no heartbeat was confirmed before the local deadline")
-            return now + 60.0
-        age = now - self._confirmed_at
-        with self._state_lock:
-            alert = age > self.alert_after and not self._alerting
-            self._alerting = self._alerting or alert
-        if alert:
-            holder = {"holder": self.holder, "host": current().host, "pid": self._pid}
-            send(
-                signals.lock_alert,
-                self._lock,
-                name=self.name,
-                holder=holder,
-                heartbeat_age=age,
-                lease=self,
-            )
-            call_metrics(self._lock._hooks(), "alert", self.name, age)
-        next_alert = self._confirmed_at + self.alert_after if not self._alerting else self._deadline
-        return min(self._deadline, next_alert) + 0.001
-
-    def _check_session(self, conn: LockConnection) -> None:
-        """An advisory lease dies with the session that took the key."""
-        if self._key_state is Key.HELD and self.state is State.HELD and self._session_ended():
-            self._mark_lost("its database session ended, so a contender may take over at once")
-
     def _session_ended(self) -> bool:
         conn = self._conn
         return not conn.is_open() or conn.generation != self._generation
 
     def _usable_for_key(self) -> bool:
         return self.state is State.HELD and self._conn.generation == self._generation
-
-    def _contender_may_start(self, reason: str | None) -> float:
-        """When a contender may hold the name, for a lease being lost now.
-
-        A gone row or an ended session (advisory path) lets one in at once; otherwise
-        the last confirmed heartbeat (sent no later than the database stamped it) plus
-        ``stale_after``, less half the safety margin to stop the work and reap it.
-        """
-        now = time.monotonic()
-        if reason in (_ROW_GONE, _SESSION_ENDED):
-            return now
-        return max(now, self._held_until())
-
-    def _held_until(self) -> float:
-        """When work under the lease must have stopped if no later heartbeat is confirmed
-        (``time.monotonic()``): the last confirmed heartbeat plus ``stale_after``, less
-        half the safety margin. ``locked_run``'s guardian kills the job then."""
-        return self._confirmed_at + self.stale_after - self._margin / 2
-
-    def _session_fileno(self) -> int | None:
-        """The socket of the session this lease was granted on, while it is the current
-        one (``locked_run``'s guardian holds a duplicate to keep that session alive)."""
-        return None if self._session_ended() else self._conn.fileno()
-
-    def _mark_lost(self, reason: str, *, row_gone: bool = False) -> None:
-        if row_gone:
-            reason = _ROW_GONE
-        elif self._key_state is Key.HELD and self._session_ended():
-            reason = _SESSION_ENDED
-        if not self._advance(State.LOST, reason):
-            return
-        if row_gone:
-            # Someone else owns the name now: give the advisory key back at once.
-            self._give_back_key()
-        if self._key_state is not Key.HELD:
-            heartbeat.registry().discard(self)
-        # Otherwise the row may still be ours (a missed deadline): the heartbeat thread
-        # keeps the key, and so the holder's precedence, until the row is seen gone.
-        self._announce_lost(reason)
-
-    def _announce_lost(self, reason: str) -> None:
-        logger.warning("django_pglock: lock %r (token %s) lost: %s", self.name, self.token, reason)
-        send(signals.lock_lost, self._lock, lease=self, reason=reason)
-        call_metrics(self._lock._hooks(), "lost", self.name)
-        for callback in list(self._on_lost):
-            try:
-                callback(self)
-            except Exception:
-                logger.exception("django_pglock: on_lost callback for %r raised", self.name)
-
-    def _recheck_lost(self) -> None:
-        """For a lease lost by its deadline: once its row is gone, give the key back."""
-        rows = self._conn.execute(sql.CHECK, {"name": self.name, "token": self.token})
-        if not rows[0][0] or self._key_state is not Key.HELD:
-            self._give_back_key()
-            heartbeat.registry().discard(self)
-
-    def _session_closed(self, generation: int) -> None:
-        """The session ``generation`` ended: a key it held is gone with it."""
-        if self._key_state is Key.HELD and self._generation == generation:
-            if self.state is State.HELD:
-                self._mark_lost(_SESSION_ENDED)
-            elif self.state is State.LOST:
-                self._give_back_key()
-                heartbeat.registry().discard(self)
 
 
 def _forget_after_fork() -> None:
@@ -374,6 +271,3 @@ def _forget_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
-
-_ROW_GONE = "its row is gone or belongs to another holder"
-_SESSION_ENDED = "its database session ended, so a contender may take over at once"

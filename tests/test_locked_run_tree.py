@@ -25,6 +25,7 @@ import psycopg
 import pytest
 
 from django_pglock.operations import force_release
+from tests import faultkit
 from tests.subprocs import open_db, wait_for_file, wait_until
 from tests.tree_job import read_pids, running
 
@@ -164,12 +165,7 @@ def stopped_backend(db, pid):
     Stopped in the middle of a heartbeat, it would keep the row locked and no contender
     could reclaim it; stopped idle, it is what a hung server session looks like.
     """
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        cmdline = b""
-    if b"postgres" not in cmdline:
-        pytest.skip(f"the server's process {pid} is not on this host (DATABASE_URL elsewhere?)")
+    faultkit.require_local_backend(pid)  # else a skip outside CI, a failure under CI
     try:
         for _ in range(500):
             os.kill(pid, signal.SIGSTOP)
@@ -185,7 +181,7 @@ def stopped_backend(db, pid):
             pytest.fail(f"backend {pid} was never idle")
         yield
     except PermissionError:
-        pytest.skip(f"this test cannot signal the server's process {pid} (run it as root)")
+        faultkit.require(False, f"this test cannot signal the server's process {pid} (run as root)")
     finally:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGCONT)
