@@ -80,6 +80,19 @@ class KeyMixin:
             with contextlib.suppress(LockError):
                 self._conn.execute(sql.UNLOCK, {"key": self._key}, session=self._generation)
 
+    def _adopted_on_ended_session(self, conn: LockConnection) -> bool:
+        """After an adoption whose answer was lost with its session: did it commit?
+
+        Read on a new session (a session given up for not answering is ended on the
+        server first, so the statement cannot commit later). ``True`` when the row says
+        advisory, or when that cannot be read: then a contender may take over at once.
+        """
+        try:
+            rows = conn.execute(sql.ADOPTED, {"name": self.name, "token": self.token})
+        except LockError:
+            return True
+        return bool(rows and rows[0][0])
+
     def _adopt_key(self, conn: LockConnection, now: float) -> None:
         """Try once to take the advisory key this lease was granted without.
 
@@ -124,7 +137,7 @@ class KeyMixin:
                             return
                         self._set_key(Key.NONE)
             except LockError:
-                if in_doubt:
+                if in_doubt and self._adopted_on_ended_session(conn):
                     with self._state_lock:
                         self._set_key(Key.NONE)
                     self._mark_lost(ADOPTION_IN_DOUBT)

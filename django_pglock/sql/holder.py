@@ -7,6 +7,7 @@ from .names import RUNS as _RUNS
 from .names import TABLE_SQL as _T
 
 __all__ = [
+    "ADOPTED",
     "ADOPT_KEY",
     "CHECK",
     "DISABLE_ADVISORY",
@@ -139,6 +140,10 @@ SELECT name, token, advisory AND backend_pid = pg_backend_pid() FROM gone
 # Behind a transaction-mode pooler: stop declaring the advisory path on our rows, so
 # that no contender judges them by a session that is not really ours.
 DISABLE_ADVISORY = f"UPDATE {_T} SET advisory = false WHERE token = ANY(%(tokens)s::bigint[])"
+
+# After a key adoption whose answer was lost with its session: did it commit? (A row that
+# says advisory while the session that took the key has ended lets a contender in.)
+ADOPTED = f"SELECT advisory FROM {_T} WHERE name = %(name)s AND token = %(token)s"
 
 # Is the row still ours? A plain snapshot read.
 CHECK = f"SELECT EXISTS (SELECT 1 FROM {_T} WHERE name = %(name)s AND token = %(token)s)"
