@@ -17,6 +17,7 @@ from .jobtypes import F, MaySkip, NeverSkips, P, R
 from .lock import Lease, Lock, validate_name
 from .runs import SkipReason, record_skipped, record_skipped_under
 from .schedule import ScheduleSlot
+from .waiting import describe_holder
 
 __all__ = ["singleton_job"]
 
@@ -31,12 +32,6 @@ def _default_name(func: Callable[..., Any]) -> str:
     if _COMMANDS_PACKAGE in f".{module}." and func.__qualname__.endswith(".handle"):
         return module.rsplit(".", 1)[-1]  # a management command: its command name
     return f"{module}.{func.__qualname__}"
-
-
-def _describe(holder: dict[str, Any] | None) -> str:
-    if not holder:
-        return "another process"
-    return f"{holder['holder']} (token {holder['token']}, running {holder['description']!r})"
 
 
 class _SingletonJob:
@@ -121,7 +116,7 @@ class _SingletonJob:
 
         def skipped(lock: Lock, args: tuple[Any, ...], holder: dict[str, Any] | None) -> None:
             # Not granted: held elsewhere (one attempt), or held until the wait ran out.
-            report(args, f"lock {lock.name!r} is held by {_describe(holder)}")
+            report(args, f"lock {lock.name!r} is held by {describe_holder(holder)}")
             record_skipped(lock, SkipReason.TIMED_OUT if self.blocking else SkipReason.HELD)
 
         def first_in_slot(lock: Lock, lease: Lease | InheritedLease, args: tuple[Any, ...]) -> bool:

@@ -11,6 +11,7 @@ from . import sql
 from .conf import check_seconds
 from .connection import get_connection
 from .exceptions import DatabaseUnavailable
+from .redaction import redact
 
 if TYPE_CHECKING:
     from .lock import Lock
@@ -134,3 +135,13 @@ class Waiter:
                 return None
             delay = min(delay, remaining)
         return delay
+
+
+def describe_holder(holder: dict[str, Any] | None) -> str:
+    """Who holds a lock, as a refused attempt saw it: holder id, token, what runs."""
+    if not holder:
+        return "another process"
+    text = f"{holder['holder']} (token {holder['token']}"
+    if holder.get("description"):
+        text += f", running {redact(str(holder['description']))!r}"
+    return text + ")"

@@ -6,7 +6,6 @@ lost. ``--shell -- <argv…>`` wraps any program instead of a management command
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import random
@@ -24,39 +23,20 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from django_pglock.conf import get_setting
 from django_pglock.exceptions import LockNotHeld
-from django_pglock.identity import redact
 from django_pglock.inherit import lend
 from django_pglock.lock import Lease, Lock, validate_name
 from django_pglock.management.cli import database_option, reports_database_errors
+from django_pglock.management.run_options import add_arguments
 from django_pglock.management.wakeup import Wakeup
 from django_pglock.redaction import redact_argv
 from django_pglock.runs import SkipReason, record_skipped
 from django_pglock.schedule import ScheduleSlot
 from django_pglock.supervisor import GuardedJob, JobNotStarted
+from django_pglock.waiting import describe_holder
 
 EXIT_USAGE = 2
 EXIT_LOST = 75  # EX_TEMPFAIL: the lease was lost and the child was terminated
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-
-
-def _holder_text(holder: dict[str, Any] | None) -> str:
-    """Who holds the lock, with the grant's token and what runs under it."""
-    if not holder:
-        return "another process"
-    text = f"{holder['holder']} (token {holder['token']}"
-    if holder.get("description"):
-        text += f", running {redact(str(holder['description']))!r}"
-    return text + ")"
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if value < 0 or value != value or value in (float("inf"),):
-        raise argparse.ArgumentTypeError(f"{text!r} must be zero or more seconds")
-    return value
 
 
 class Command(BaseCommand):
@@ -69,62 +49,7 @@ class Command(BaseCommand):
     requires_system_checks: list[str] = []  # the child runs its own checks
 
     def add_arguments(self, parser: CommandParser) -> None:
-        parser.add_argument("argv", nargs=argparse.REMAINDER, help="<command> [args…]")
-        parser.add_argument("--name", help="Lock name (default: the command's name).")
-        parser.add_argument(
-            "--shell",
-            action="store_true",
-            help="Run an arbitrary program: locked_run --shell -- <argv…>.",
-        )
-        parser.add_argument(
-            "--wait", action="store_true", help="Wait for the lock instead of skipping."
-        )
-        parser.add_argument(
-            "--timeout", type=_seconds, default=None, help="With --wait: give up after N s."
-        )
-        parser.add_argument("--heartbeat-interval", type=_seconds, default=None)
-        parser.add_argument("--alert-after", type=_seconds, default=None)
-        parser.add_argument("--stale-after", type=_seconds, default=None)
-        parser.add_argument("--poll-interval", type=_seconds, default=None)
-        parser.add_argument(
-            "--jitter",
-            type=_seconds,
-            default=0.0,
-            help="Sleep a random 0..N s before trying, to spread a thundering herd.",
-        )
-        parser.add_argument(
-            "--on-lost",
-            choices=("terminate", "continue"),
-            default="terminate",
-            help="When the lease is lost: terminate the child (default) or let it run.",
-        )
-        parser.add_argument(
-            "--kill-grace",
-            type=_seconds,
-            default=10.0,
-            help="Seconds between SIGTERM and SIGKILL whenever the job's process group is "
-            "stopped: on SIGTERM/SIGINT/SIGHUP to locked_run, for leftovers of a child that "
-            "exited, and on lease loss (there cut short, so that the job is dead before "
-            "another instance may take the lock).",
-        )
-        parser.add_argument("--database", default=None, help="Database alias for the lock.")
-        parser.add_argument(
-            "--skip-exit-code",
-            type=int,
-            default=0,
-            help="Exit status when skipped because the lock is held (default 0).",
-        )
-        parser.add_argument(
-            "--no-record",
-            action="store_true",
-            help="Do not record this run in the run history (JobRun).",
-        )
-        parser.add_argument(
-            "--schedule",
-            default=None,
-            help='Cron expression (e.g. "0 3 * * *"): run at most once per schedule slot, '
-            "judged by the database clock. Needs the [schedule] extra (cronsim).",
-        )
+        add_arguments(parser)
 
     @reports_database_errors
     def handle(self, *args: Any, **options: Any) -> None:
@@ -175,7 +100,7 @@ class Command(BaseCommand):
         try:
             with acquisition as lease:
                 if lease is None:
-                    who = _holder_text(acquisition.holder)
+                    who = describe_holder(acquisition.holder)
                     if options["wait"]:
                         waited = time.monotonic() - started
                         self.stderr.write(
