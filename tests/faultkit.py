@@ -38,6 +38,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
@@ -911,6 +912,22 @@ def procs_fixture():
     """Worker processes of a fault test (each given its environment), killed at teardown."""
     with Procs() as started:
         yield started
+
+
+@pytest.fixture(name="pg")
+def fault_server_fixture() -> Iterator[PgServer]:
+    """The run's fault server (``shared_server()``), running again after the test."""
+    server = shared_server()
+    yield server
+    server.ensure_running()
+
+
+@pytest.fixture(name="fdb")
+def fault_db_fixture(pg: PgServer) -> Iterator[Db]:
+    """An autocommit session on the fault server's database: another process's view."""
+    session = Db(pg.url())
+    yield session
+    session.close()
 
 
 @pytest.fixture(name="log")

@@ -29,7 +29,13 @@ import pytest
 
 from django_pglock import sql
 from tests import faultkit
-from tests.faultkit import Db, require_local_backend, worker_env
+from tests.faultkit import (  # noqa: F401  (fixtures "pg", "fdb")
+    Db,
+    fault_db_fixture,
+    fault_server_fixture,
+    require_local_backend,
+    worker_env,
+)
 from tests.subprocs import open_db, pid_gone, wait_until
 
 # -- a proxy that cuts one answer --------------------------------------------------------
@@ -147,21 +153,6 @@ class ReplyCutter:
 
 
 # -- fixtures of the fault server ----------------------------------------------------------
-
-
-@pytest.fixture
-def pg():
-    server = faultkit.shared_server()
-    yield server
-    server.ensure_running()
-
-
-@pytest.fixture
-def fdb(pg):
-    """An autocommit session on the fault server's database: another process's view."""
-    session = Db(pg.url())
-    yield session
-    session.close()
 
 
 def unique(label: str) -> str:

@@ -13,8 +13,12 @@ import uuid
 
 import pytest
 
-from tests import faultkit
-from tests.faultkit import Db, procs_fixture, worker_env  # noqa: F401  (fixture "procs")
+from tests.faultkit import (  # noqa: F401  (fixtures "procs", "pg", "fdb")
+    fault_db_fixture,
+    fault_server_fixture,
+    procs_fixture,
+    worker_env,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -51,32 +55,18 @@ except DatabaseUnavailable as exc:
 """
 
 
-@pytest.fixture
-def pg():
-    server = faultkit.shared_server()
-    yield server
-    server.ensure_running()
-
-
-@pytest.fixture
-def db(pg):
-    session = Db(pg.url())
-    yield session
-    session.close()
-
-
 def unique(label):
     return f"outage-{label}-{uuid.uuid4().hex[:8]}"
 
 
-def test_a_blocking_waiter_rides_through_a_crash_and_restart(pg, db, procs):
+def test_a_blocking_waiter_rides_through_a_crash_and_restart(pg, fdb, procs):
     env = worker_env(pg.url())
     name = unique("ride")
     holder = procs.start(sys.executable, "-c", HOLDER, name, env=env)
     held = int(holder.expect("HELD").split()[1])
     waiter = procs.start(sys.executable, "-c", WAITER, name, "120", "blocking", env=env)
     waiter.expect("WAITING")
-    assert db.row(name)["token"] == held
+    assert fdb.row(name)["token"] == held
     pg.stop("immediate")
     down_at = time.monotonic()
     # While the server is down, the waiter keeps waiting: it neither ends nor raises.
