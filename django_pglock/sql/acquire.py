@@ -58,18 +58,30 @@ _GRANTED = "j.token, j.acquired_at, j.advisory, j.backend_pid"
 _GATE = "(SELECT c.stale OR (c.advisory AND k.held) FROM cur c, key k)"
 
 
+# Tokens follow grants: every grant takes its token while it holds the name's gate, a
+# transaction-level advisory lock (the two-int4 key space, apart from the session keys'
+# bigint one) held until the grant commits. Without it a fresh insert whose statement
+# paused between nextval and its insert could land after a later token's whole grant and
+# release, and the name's tokens would go down. A second attempt on the name waits for the
+# first's statement to end (never longer: the gate is taken before anything else).
+_GATE_LOCK = """pg_advisory_xact_lock(
+        (%(key)s::bigint >> 32)::int4, ((%(key)s::bigint << 32) >> 32)::int4)"""
+
+
 def _acquire(record: bool) -> str:
     run = _RUN_STARTED if record else ""
     run_id = "(SELECT id FROM run)" if record else "NULL::bigint"
     return f"""
-WITH cur AS (
+WITH gate AS MATERIALIZED (
+    SELECT {_GATE_LOCK}
+), cur AS (
     SELECT c.token, c.holder, c.host, c.pid, c.acquired_at, c.description,
            extract(epoch FROM now() - c.last_heartbeat)::float8 AS age, c.alert_after,
            now() - c.last_heartbeat > c.stale_after * interval '1 second' AS stale,
            c.advisory AND c.backend_pid = pg_backend_pid() AS here, c.advisory
     FROM {_T} c WHERE c.name = %(name)s
 ), prior AS MATERIALIZED (
-    SELECT {_MINE} AS mine
+    SELECT {_MINE} AS mine FROM gate
 ), key AS MATERIALIZED (
     SELECT CASE WHEN %(advisory)s AND NOT prior.mine THEN pg_try_advisory_lock(%(key)s)
                 ELSE false END AS held

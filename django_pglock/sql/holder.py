@@ -85,10 +85,19 @@ def _release(guarded: bool, record: bool) -> str:
         if record
         else ""
     )
+    # The key is given back only when no other lease of this session may hold it now.
+    # An unlock is not undone when its statement fails: after an attempt that failed
+    # past its unlock, this session may have taken the name again (key and row, with a new
+    # token), and a retry's blind unlock would free that new holder's key, so that any
+    # contender could take over at once. So: unlock when this statement deleted our row,
+    # or when no row of this name says this session holds its key.
+    ours = f"""(EXISTS (SELECT 1 FROM del) OR NOT EXISTS (
+        SELECT 1 FROM {_T} o
+        WHERE o.name = %(name)s AND o.advisory AND o.backend_pid = pg_backend_pid()))"""
     return f"""
 WITH {target}{run}
 SELECT EXISTS (SELECT 1 FROM del) AS deleted, {present} AS present,
-       CASE WHEN %(advisory)s AND {settled} THEN pg_advisory_unlock(%(key)s) END
+       CASE WHEN %(advisory)s AND {settled} AND {ours} THEN pg_advisory_unlock(%(key)s) END
 """
 
 
