@@ -13,6 +13,7 @@ from urllib.parse import urlencode
 
 from django.contrib import admin, messages
 from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
+from django.contrib.admin.views import main
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest, HttpResponse, QueryDict
 
@@ -24,6 +25,28 @@ else:
     ModelAdminBase = admin.ModelAdmin
 
 __all__ = ["LockDatabaseAdmin"]
+
+
+# What a change list reads besides its filters: search, ordering, page, "show all", popups,
+# the error flag, facets (Django 5.0+).
+_PAGE_PARAMETERS = frozenset(
+    getattr(main, name)
+    for name in (
+        "ALL_VAR",
+        "ORDER_VAR",
+        "PAGE_VAR",
+        "SEARCH_VAR",
+        "ERROR_FLAG",
+        "TO_FIELD_VAR",
+        "IS_POPUP_VAR",
+        "IS_FACETS_VAR",
+    )
+    if hasattr(main, name)
+)
+# The lookups a field's list filter or a date hierarchy puts in the query string.
+_FILTER_LOOKUPS = frozenset(
+    {"exact", "iexact", "isnull", "in", "gte", "gt", "lte", "lt", "year", "month", "day"}
+)
 
 
 def _is_text(value: str) -> bool:
@@ -48,12 +71,32 @@ class LockDatabaseAdmin(ModelAdminBase):
     def changelist_view(
         self, request: HttpRequest, extra_context: dict[str, Any] | None = None
     ) -> HttpResponse:
-        """The list, with parameters that cannot be text ignored (``?q=x%00``)."""
+        """The list, with parameters that cannot be text (``?q=x%00``) or that the page
+        does not offer (``?name__regex=(``, an old bookmark) ignored."""
         pairs = _pairs(request.GET)
-        kept = [(key, value) for key, value in pairs if _is_text(key) and _is_text(value)]
+        offered = self._offered_parameters()
+        kept = [
+            (key, value)
+            for key, value in pairs
+            if _is_text(key) and _is_text(value) and _is_offered(key, offered)
+        ]
         if len(kept) < len(pairs):
             request.GET = QueryDict(urlencode(kept))
         return super().changelist_view(request, extra_context)
+
+    def _offered_parameters(self) -> tuple[set[str], set[str]]:
+        """(exact parameter names, field paths whose filter lookups are offered)."""
+        names, fields = set(_PAGE_PARAMETERS), set()
+        for spec in self.list_filter:
+            if isinstance(spec, (list, tuple)):
+                spec = spec[0]
+            if isinstance(spec, str):
+                fields.add(spec)
+            elif hasattr(spec, "parameter_name"):
+                names.add(spec.parameter_name)
+        if self.date_hierarchy:
+            fields.add(self.date_hierarchy)
+        return names, fields
 
     def get_object(
         self, request: HttpRequest, object_id: str, from_field: str | None = None
@@ -77,6 +120,14 @@ class LockDatabaseAdmin(ModelAdminBase):
             )
             return None
         return super().response_action(request, queryset, *args, **kwargs)
+
+
+def _is_offered(key: str, offered: tuple[set[str], set[str]]) -> bool:
+    names, fields = offered
+    if key in names or key in fields:
+        return True
+    field, _, lookup = key.rpartition("__")
+    return field in fields and lookup in _FILTER_LOOKUPS
 
 
 def _pairs(query: QueryDict) -> list[tuple[str, str]]:

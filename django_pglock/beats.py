@@ -94,7 +94,8 @@ def sweep_orphans(conn: LockConnection, leases: list[Lease], now: float) -> floa
                 )
                 key = sql.advisory_key(name)
                 if keyed and key not in keys:
-                    conn.execute(sql.UNLOCK, {"key": key}, session=conn.generation)
+                    params = {"key": key, "name": name, "token": None}
+                    conn.execute(sql.UNLOCK, params, session=conn.generation)
     except LockError as exc:
         conn.orphans_possible = True
         logger.debug("django_pglock: sweeping orphaned grants failed: %s", exc)

@@ -38,6 +38,8 @@ DEFAULTS: dict[str, Any] = {
     "METRICS": None,
     "RECORD_RUNS": True,
     "SCHEDULE_TOLERANCE": 5.0,
+    "JOBS": None,
+    "HEALTH_TOKEN": None,
 }
 
 

@@ -78,7 +78,8 @@ class KeyMixin:
         if self._claim_key():
             # If the session ended meanwhile, the key went with it.
             with contextlib.suppress(LockError):
-                self._conn.execute(sql.UNLOCK, {"key": self._key}, session=self._generation)
+                params = {"key": self._key, "name": self.name, "token": self.token}
+                self._conn.execute(sql.UNLOCK, params, session=self._generation)
 
     def _adopted_on_ended_session(self, conn: LockConnection) -> bool:
         """After an adoption whose answer was lost with its session: did it commit?
@@ -144,4 +145,5 @@ class KeyMixin:
                 raise
         # Lost while the key was being taken: nobody else will give it back.
         with contextlib.suppress(LockError):
-            conn.execute(sql.UNLOCK, {"key": self._key}, session=generation)
+            params = {"key": self._key, "name": self.name, "token": self.token}
+            conn.execute(sql.UNLOCK, params, session=generation)

@@ -56,6 +56,12 @@ class ScheduleClaim(models.Model):
     slot = models.DateTimeField(help_text="Start of the schedule slot (database clock).")
     holder = models.CharField(max_length=255)
     claimed_at = models.DateTimeField()
+    schedule = models.CharField(
+        max_length=255,
+        blank=True,
+        default="",
+        help_text="The job's cron expression, so that its next start is known to be due.",
+    )
 
     class Meta:
         db_table = "django_pglock_scheduleclaim"
@@ -109,7 +115,40 @@ class JobRun(models.Model):
         db_table = "django_pglock_jobrun"
         verbose_name = "job run"
         ordering = ["-started_at"]
-        indexes = [models.Index(fields=["name", "-started_at"], name="django_pglock_run_name_idx")]
+        indexes = [
+            models.Index(fields=["name", "-started_at"], name="django_pglock_run_name_idx"),
+            # Job health: each job's last success and last failure without a scan.
+            models.Index(
+                fields=["name", "-started_at"],
+                name="django_pglock_run_ok_idx",
+                condition=models.Q(outcome="succeeded"),
+            ),
+            models.Index(
+                fields=["name", "-started_at"],
+                name="django_pglock_run_bad_idx",
+                condition=models.Q(outcome__in=["failed", "lost"]),
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"{self.name} {self.outcome} at {self.started_at.isoformat(timespec='seconds')}"
+
+
+class JobEpisode(models.Model):
+    """An open health episode of a job (``overdue`` or ``failing``): the first process
+    that notices it inserts the row and sends the signal; the row goes when the job is
+    healthy again, so each episode is announced once, whoever looks."""
+
+    name = models.CharField(max_length=255)
+    kind = models.CharField(max_length=16)
+    since = models.DateTimeField()
+
+    class Meta:
+        db_table = "django_pglock_jobepisode"
+        verbose_name = "job health episode"
+        constraints = [
+            models.UniqueConstraint(fields=["name", "kind"], name="django_pglock_episode_name_kind")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.kind} since {self.since.isoformat(timespec='seconds')}"

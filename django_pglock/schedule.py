@@ -144,7 +144,12 @@ class ScheduleSlot:
             )
         ((now,),) = conn.execute(sql.NOW, {})
         self.slot = self.current_slot(now)
-        params = {"name": self.name, "slot": self.slot, "holder": current().holder}
+        params = {
+            "name": self.name,
+            "slot": self.slot,
+            "holder": current().holder,
+            "schedule": self.expression,
+        }
         if parent is None:
             rows = conn.execute(sql.CLAIM_SLOT, params)
         else:

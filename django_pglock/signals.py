@@ -11,6 +11,8 @@ from __future__ import annotations
 from django.dispatch import Signal
 
 __all__ = [
+    "job_failing",
+    "job_overdue",
     "lock_acquired",
     "lock_alert",
     "lock_contended",
@@ -39,3 +41,10 @@ lock_alert = Signal()
 lock_lost = Signal()
 #: A lock was released by force. Arguments: ``name``, ``token``, ``holder`` (dict).
 lock_force_released = Signal()
+#: A job turned ``overdue`` (a due start did not begin within its grace); sent once per
+#: episode by whichever process noticed first. Arguments: ``name``, ``health`` (a
+#: :class:`~django_pglock.health.JobHealth`).
+job_overdue = Signal()
+#: A job turned ``failing`` (its last run failed or was lost); once per episode.
+#: Arguments: ``name``, ``health``.
+job_failing = Signal()

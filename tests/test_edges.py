@@ -741,11 +741,13 @@ def test_a_statement_bound_to_an_ended_session_never_opens_a_new_one(private_con
     session = conn.generation
     conn.close()
     with pytest.raises(connection_module.SessionEnded):
-        conn.execute(sql.UNLOCK, {"key": 1}, session=session)
+        conn.execute(sql.UNLOCK, {"key": 1, "name": "n", "token": None}, session=session)
     assert not conn.is_open() and conn.generation == session
     conn.ensure_open()
     with pytest.raises(connection_module.SessionEnded):
-        conn.execute(sql.UNLOCK, {"key": 1}, session=session)  # a later session is not it
+        conn.execute(
+            sql.UNLOCK, {"key": 1, "name": "n", "token": None}, session=session
+        )  # a later session is not it
     assert conn.generation == session + 1
 
 

@@ -100,16 +100,13 @@ def failing_release(db):
 def backend_waits_on_advisory(db, exclude):
     """Backends (other than ``exclude``) waiting for an advisory lock right now."""
     rows = db.execute(
-        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-        " AND pid <> ALL(%s)",
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND NOT granted AND pid <> ALL(%s)",
         [list(exclude)],
     ).fetchall()
     return {pid for (pid,) in rows}
 
 
-def test_a_paused_acquire_never_grants_an_older_token_after_a_newer_grant(
-    db, paused_insert, procs
-):
+def test_a_paused_acquire_never_grants_an_older_token_after_a_newer_grant(db, paused_insert, procs):
     """Before: the paused statement's token 1 was granted after a contender's grant and
     release with token 2 (the contender said ACQUIRED while the first was paused)."""
     name = unique("paused")
@@ -135,8 +132,9 @@ def test_a_paused_acquire_never_grants_an_older_token_after_a_newer_grant(
         # The contender either finishes (granted while the first is paused: the bug) or
         # waits for the first's statement to end.
         wait_until(
-            lambda: contender.popen.poll() is not None
-            or backend_waits_on_advisory(db, [me, first_pid]),
+            lambda: (
+                contender.popen.poll() is not None or backend_waits_on_advisory(db, [me, first_pid])
+            ),
             30,
             "the contender neither finished nor waited",
         )
@@ -179,9 +177,7 @@ def test_a_retried_release_never_frees_the_key_of_the_next_lease_of_its_session(
     try:
         assert second.advisory and second.token > first.token
         db.execute("DELETE FROM pglock_test_fail WHERE name = %s", [name])
-        wait_until(
-            lambda: first.state is State.RELEASED, 30, "the first release never settled"
-        )
+        wait_until(lambda: first.state is State.RELEASED, 30, "the first release never settled")
         assert not key_free(db, name), "the retried release freed the second lease's key"
         said = procs.child("try", "--name", name).result(30).stdout.split()
         assert said == ["REFUSED"], f"a contender took the name from a live holder: {said}"

@@ -15,6 +15,7 @@ exports them all.
 from __future__ import annotations
 
 from .acquire import *  # noqa: F403
+from .health import *  # noqa: F403
 from .holder import *  # noqa: F403
 from .isolation import *  # noqa: F403
 from .names import SEQUENCE as SEQUENCE

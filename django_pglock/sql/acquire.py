@@ -18,12 +18,15 @@ _RECLAIMABLE = """(
 )"""
 
 # Does this session hold the key already? Advisory locks nest, so a session's own try
-# would succeed again: the key is tried only when it does not. Only a row carrying this
-# session's backend pid can be this session's own (another thread of this process holds
-# the name), or an ended session's that had the same server process (a session-mode
-# pooler hands the backend to the next client after DISCARD ALL); only then is pg_locks,
-# which is not cheap, looked at.
-_MINE = """CASE WHEN %(advisory)s AND EXISTS (SELECT 1 FROM cur WHERE cur.here) THEN EXISTS (
+# would succeed again: the key is tried only when it does not, and a session holds a key
+# at most once, for the one lease whose row says so. pg_locks, which is not cheap, is
+# looked at only when the session may hold it: when the row carries this session's
+# backend pid (another thread of this process holds the name, or an ended session's that
+# had the same server process: a session-mode pooler hands the backend to the next client
+# after DISCARD ALL), or when a lease of this process holds the key (`maybe_held`: its
+# row was deleted by a forced release that it has not noticed yet).
+_MINE = """CASE WHEN %(advisory)s AND (%(maybe_held)s OR EXISTS (SELECT 1 FROM cur WHERE cur.here))
+    THEN EXISTS (
         SELECT 1 FROM pg_locks l
         WHERE l.locktype = 'advisory' AND l.pid = pg_backend_pid() AND l.granted
           AND l.objsubid = 1 AND l.classid = ((%(key)s::bigint >> 32) & 4294967295)::oid
@@ -81,11 +84,17 @@ WITH gate AS MATERIALIZED (
            c.advisory AND c.backend_pid = pg_backend_pid() AS here, c.advisory
     FROM {_T} c WHERE c.name = %(name)s
 ), prior AS MATERIALIZED (
-    SELECT {_MINE} AS mine FROM gate
-), key AS MATERIALIZED (
+    SELECT {_MINE} AS mine, EXISTS (SELECT 1 FROM cur WHERE cur.here) AS here FROM gate
+), tried AS MATERIALIZED (
     SELECT CASE WHEN %(advisory)s AND NOT prior.mine THEN pg_try_advisory_lock(%(key)s)
-                ELSE false END AS held
+                ELSE false END AS took,
+           prior.mine AND NOT prior.here AS kept
     FROM prior
+), key AS MATERIALIZED (
+    -- held: this session holds the key after this statement, whether this statement
+    -- took it or it was kept from a lease whose row is gone (the new row takes over that
+    -- hold; the old lease's release sees the new row and leaves the key alone).
+    SELECT took OR kept AS held, took FROM tried
 ), fresh AS (
     INSERT INTO {_T} AS j ({_COLUMNS})
     SELECT {_VALUES} FROM key WHERE NOT EXISTS (SELECT 1 FROM cur)
@@ -107,7 +116,7 @@ WITH gate AS MATERIALIZED (
 SELECT ins.token, ins.acquired_at, ins.advisory, ins.backend_pid,
        cur.token, cur.holder, cur.host, cur.pid, cur.acquired_at, cur.description,
        cur.age, cur.alert_after, cur.stale,
-       CASE WHEN ins.token IS NULL AND key.held THEN pg_advisory_unlock(%(key)s) END,
+       CASE WHEN ins.token IS NULL AND key.took THEN pg_advisory_unlock(%(key)s) END,
        {run_id}
 FROM key LEFT JOIN ins ON true LEFT JOIN cur ON true
 """

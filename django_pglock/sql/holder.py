@@ -167,8 +167,15 @@ SELECT holder, host, pid, acquired_at FROM {_T} WHERE name = %(name)s AND token 
 # until that transaction ends, and does not block the holder's heartbeats.
 GUARD = f"SELECT token FROM {_T} WHERE name = %(name)s AND token = %(token)s FOR KEY SHARE"
 
-# Give back one hold of an advisory key after learning a lease is lost.
-UNLOCK = "SELECT pg_advisory_unlock(%(key)s)"
+# Give back the hold of an advisory key after learning a lease is lost, or after an attempt
+# that may have taken it failed: unless a row of the name (other than `token`'s) says this
+# session holds the key, for a newer lease of this process that took the hold over.
+UNLOCK = f"""
+SELECT pg_advisory_unlock(%(key)s) WHERE NOT EXISTS (
+    SELECT 1 FROM {_T} o
+    WHERE o.name = %(name)s AND o.advisory AND o.backend_pid = pg_backend_pid()
+      AND o.token IS DISTINCT FROM %(token)s::bigint)
+"""
 
 # Once per new dedicated connection: bound every statement and every lock wait, so the
 # connection that carries all heartbeats is never stuck behind someone else's lock; plan

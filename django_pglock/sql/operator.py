@@ -119,14 +119,16 @@ SELECT name, token, holder, host, pid, acquired_at FROM released
 """
 
 # Claim one schedule slot: the first host to insert (name, slot) starts the job; the
-# unique constraint decides. Claims of that job older than a week are pruned on the way.
+# unique constraint decides. The claim carries the cron expression: job health reads
+# when the next start is due from a job's latest claim. Claims of that job older than
+# a week are pruned on the way.
 CLAIM_SLOT = f"""
 WITH pruned AS (
     DELETE FROM {quote_name("django_pglock_scheduleclaim")}
     WHERE name = %(name)s AND slot < %(slot)s - interval '7 days'
 )
-INSERT INTO {quote_name("django_pglock_scheduleclaim")} (name, slot, holder, claimed_at)
-VALUES (%(name)s, %(slot)s, %(holder)s, now())
+INSERT INTO {quote_name("django_pglock_scheduleclaim")} (name, slot, holder, claimed_at, schedule)
+VALUES (%(name)s, %(slot)s, %(holder)s, now(), %(schedule)s)
 ON CONFLICT (name, slot) DO NOTHING
 RETURNING id
 """
@@ -139,8 +141,9 @@ WITH pruned AS (
     DELETE FROM {quote_name("django_pglock_scheduleclaim")}
     WHERE name = %(name)s AND slot < %(slot)s - interval '7 days'
 )
-INSERT INTO {quote_name("django_pglock_scheduleclaim")} AS c (name, slot, holder, claimed_at)
-VALUES (%(name)s, %(slot)s, %(holder)s, now())
+INSERT INTO {quote_name("django_pglock_scheduleclaim")} AS c (name, slot, holder, claimed_at,
+    schedule)
+VALUES (%(name)s, %(slot)s, %(holder)s, now(), %(schedule)s)
 ON CONFLICT (name, slot) DO UPDATE SET holder = c.holder WHERE c.holder = %(parent)s
 RETURNING id
 """

@@ -7,6 +7,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from django_pglock.health import PROBLEMS, JobHealth, job_health
 from django_pglock.management.cli import database_option, reports_database_errors
 from django_pglock.operations import lock_status
 
@@ -27,9 +28,24 @@ class Command(BaseCommand):
             "an abandoned lock (holder gone) does not fail the check.",
         )
         parser.add_argument("--database", default=None, help="Database alias (default: setting).")
+        parser.add_argument(
+            "--jobs",
+            action="store_true",
+            help="Show job health instead of locks: healthy, running, overdue, failing, "
+            "too-long or abandoned, with last run, last success and next due start.",
+        )
+        parser.add_argument(
+            "--fail-on",
+            default=",".join(PROBLEMS),
+            help="With --jobs --check: the job states that fail the check, comma-separated "
+            f"(default: {','.join(PROBLEMS)}).",
+        )
 
     @reports_database_errors
     def handle(self, *args: Any, **options: Any) -> None:
+        if options["jobs"]:
+            self.show_jobs(options)
+            return
         rows = lock_status(using=database_option(options["database"]))
         if options["json"]:
             self.stdout.write(json.dumps([row.as_dict() for row in rows], indent=2))
@@ -63,3 +79,58 @@ class Command(BaseCommand):
         if options["check"] and unhealthy:
             names = ", ".join(f"{row.name!r} ({row.state})" for row in unhealthy)
             raise CommandError(f"{len(unhealthy)} lock(s) need attention: {names}.", returncode=1)
+
+    def show_jobs(self, options: dict[str, Any]) -> None:
+        fail_on = _states(options["fail_on"])
+        jobs = job_health(using=database_option(options["database"]))
+        if options["json"]:
+            self.stdout.write(json.dumps([job.as_dict() for job in jobs], indent=2))
+        elif not jobs:
+            self.stdout.write("No jobs: none is declared, scheduled or has run history.")
+        else:
+            _table(self, jobs)
+        failing = [job for job in jobs if job.state in fail_on]
+        if options["check"] and failing:
+            for job in failing:  # one line per problem, for cron-based monitors
+                self.stderr.write(f"{job.name}: {job.state}: {job.detail}")
+            raise CommandError(f"{len(failing)} job(s) need attention.", returncode=1)
+
+
+def _states(text: str) -> set[str]:
+    from django_pglock.health import STATES
+
+    states = {part.strip() for part in text.split(",") if part.strip()}
+    unknown = sorted(states - set(STATES))
+    if unknown:
+        raise CommandError(
+            f"--fail-on {text!r} names unknown state(s) {', '.join(map(repr, unknown))}; "
+            f"use a comma-separated list of: {', '.join(STATES)}."
+        )
+    return states
+
+
+def _when(value: Any) -> str:
+    return "-" if value is None else value.isoformat(timespec="seconds")
+
+
+def _table(command: BaseCommand, jobs: list[JobHealth]) -> None:
+    header = ("JOB", "STATE", "LAST RUN", "LAST SUCCESS", "NEXT DUE", "HOLDER")
+    table = [header] + [
+        (
+            job.name,
+            job.state if job.state in ("healthy", "running") else job.state.upper(),
+            "-" if job.last_outcome is None else f"{job.last_outcome} {_when(job.last_started_at)}",
+            _when(job.last_success_at),
+            _when(job.next_due),
+            "-" if job.holder is None else f"{job.holder['host']}:{job.holder['pid']}",
+        )
+        for job in jobs
+    ]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    for line in table:
+        command.stdout.write(
+            "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+        )
+    for job in jobs:
+        if job.problem:
+            command.stdout.write(f"{job.state.upper()}: {job.name}: {job.detail}")

@@ -1,0 +1,259 @@
+"""Job health: one function, one answer, for the command, the view, the admin and metrics.
+
+A job's state, judged by the database clock:
+
+* ``abandoned`` — its lock's holder is gone (the next contender takes it at once);
+* ``too-long`` — a run holds its lock past the job's ``max_duration``;
+* ``running`` — a run holds its lock;
+* ``overdue`` — a start was due more than ``grace`` ago and no run started since;
+* ``failing`` — its last finished run failed or was lost;
+* ``healthy`` — none of these.
+
+When a job is ``overdue`` or ``failing``, the first process to notice it (a status
+check, the health view, a metrics scrape) sends ``job_overdue`` / ``job_failing``, once
+per episode: the episode is a row that closes when the job is healthy again.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from django.db import connections
+from django.utils import timezone
+
+from . import signals, sql
+from .conf import get_setting, schedule_tolerance
+from .connection import validate_alias
+from .events import send
+from .jobspec import DEFAULT_GRACE, JobSpec, declared_jobs
+
+__all__ = ["PROBLEMS", "STATES", "JobHealth", "job_health"]
+
+STATES = ("healthy", "running", "overdue", "failing", "too-long", "abandoned")
+#: The states that make a job a problem (``--check`` and the health view fail on them).
+PROBLEMS = ("overdue", "failing", "too-long")
+
+
+@dataclass(frozen=True)
+class JobHealth:
+    """One job's health, with what it was judged from."""
+
+    name: str
+    state: str
+    spec: JobSpec
+    now: datetime.datetime
+    last_outcome: str | None = None
+    last_started_at: datetime.datetime | None = None
+    last_finished_at: datetime.datetime | None = None
+    last_duration: float | None = None
+    last_host: str | None = None
+    last_success_at: datetime.datetime | None = None
+    last_failure_at: datetime.datetime | None = None
+    next_due: datetime.datetime | None = None
+    due: datetime.datetime | None = None  # the latest start that should have happened
+    holder: dict[str, Any] | None = None
+    detail: str = ""
+    episodes: tuple[str, ...] = field(default=())
+
+    @property
+    def problem(self) -> bool:
+        return self.state in PROBLEMS
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: datetimes as ISO 8601."""
+
+        def iso(value: datetime.datetime | None) -> str | None:
+            return None if value is None else value.isoformat()
+
+        holder = None
+        if self.holder is not None:
+            holder = {**self.holder, "acquired_at": iso(self.holder["acquired_at"])}
+        return {
+            "name": self.name,
+            "state": self.state,
+            "detail": self.detail,
+            "schedule": self.spec.schedule,
+            "every": self.spec.every,
+            "grace": self.spec.grace,
+            "max_duration": self.spec.max_duration,
+            "declared": self.spec.declared,
+            "last_run": {
+                "outcome": self.last_outcome,
+                "started_at": iso(self.last_started_at),
+                "finished_at": iso(self.last_finished_at),
+                "duration": self.last_duration,
+                "host": self.last_host,
+            },
+            "last_success_at": iso(self.last_success_at),
+            "last_failure_at": iso(self.last_failure_at),
+            "due": iso(self.due),
+            "next_due": iso(self.next_due),
+            "holder": holder,
+        }
+
+
+def _ticks(expression: str, now: datetime.datetime) -> tuple[datetime.datetime, datetime.datetime]:
+    """The latest tick at or before ``now`` and the first after it, in the active zone."""
+    import cronsim
+
+    zone = timezone.get_current_timezone()
+    local = timezone.localtime(now, zone).replace(microsecond=0)
+    after = (local.astimezone(datetime.timezone.utc) + datetime.timedelta(seconds=1)).astimezone(
+        zone
+    )
+    previous: datetime.datetime = next(cronsim.CronSim(expression, after, reverse=True))
+    following: datetime.datetime = next(cronsim.CronSim(expression, local))
+    return previous, following
+
+
+def _due(
+    spec: JobSpec,
+    now: datetime.datetime,
+    last_start: datetime.datetime | None,
+    last_success: datetime.datetime | None,
+) -> tuple[datetime.datetime | None, datetime.datetime | None, bool]:
+    """(the start that was due at ``now - grace``, the next due start, overdue?)."""
+    grace = datetime.timedelta(seconds=spec.grace)
+    if spec.schedule:
+        due, _ = _ticks(spec.schedule, now - grace)
+        _, following = _ticks(spec.schedule, now)
+        # A start a little before its tick (a host whose clock runs ahead) counts for it.
+        early = datetime.timedelta(seconds=schedule_tolerance())
+        started = last_start is not None and last_start >= due - early
+        return due, following, not started
+    if spec.every is not None:
+        every = datetime.timedelta(seconds=spec.every)
+        if last_success is None:
+            return None, None, False  # nothing says when the first success was due
+        following = last_success + every
+        return following, following, now - grace > following
+    return None, None, False
+
+
+def _judge(spec: JobSpec, row: tuple[Any, ...], abandoned: set[tuple[str, int]]) -> JobHealth:
+    (
+        name,
+        now,
+        outcome,
+        started,
+        finished,
+        duration,
+        host,
+        ok_started,
+        ok_finished,
+        bad_started,
+        _bad_outcome,
+        claim_slot,
+        _claim_schedule,
+        token,
+        holder_host,
+        holder_pid,
+        acquired_at,
+        held_for,
+        lock_state,
+        _advisory,
+        episodes,
+    ) = row
+    last_start = max((t for t in (started, claim_slot) if t is not None), default=None)
+    due, next_due, overdue = _due(spec, now, last_start, ok_finished or ok_started)
+    holder = None
+    if token is not None:
+        holder = {
+            "token": token,
+            "host": holder_host,
+            "pid": holder_pid,
+            "acquired_at": acquired_at,
+            "held_for": held_for,
+            "lock_state": lock_state,
+        }
+    if token is not None and (name, token) in abandoned:
+        state, detail = "abandoned", "its holder is gone; the next contender takes it at once"
+    elif token is not None and spec.max_duration is not None and held_for > spec.max_duration:
+        state = "too-long"
+        detail = f"running for {held_for:.0f}s, longer than max_duration {spec.max_duration:g}s"
+    elif token is not None:
+        state, detail = "running", f"held by {holder_host}:{holder_pid} for {held_for:.0f}s"
+    elif overdue:
+        state = "overdue"
+        detail = f"a start was due at {due.isoformat() if due else '?'} and none began"
+    elif outcome in ("failed", "lost"):
+        state, detail = "failing", f"its last run {outcome} at {(finished or started).isoformat()}"
+    else:
+        state, detail = "healthy", ""
+    return JobHealth(
+        name=name,
+        state=state,
+        spec=spec,
+        now=now,
+        last_outcome=outcome,
+        last_started_at=started,
+        last_finished_at=finished,
+        last_duration=duration,
+        last_host=host,
+        last_success_at=ok_finished or ok_started,
+        last_failure_at=bad_started,
+        next_due=next_due,
+        due=due,
+        holder=holder,
+        detail=detail,
+        episodes=tuple(episodes),
+    )
+
+
+def job_health(using: str | None = None, *, announce: bool = True) -> list[JobHealth]:
+    """Every job's health (declared jobs, scheduled jobs, names with run history), by name.
+
+    Two statements at most: the jobs with their runs, claims and holders, then whether
+    the holders on the advisory path are gone. With ``announce``, opens and closes health
+    episodes and sends ``job_overdue`` / ``job_failing`` for the ones it opened.
+    """
+    alias = validate_alias(using if using is not None else get_setting("DATABASE"))
+    declared = declared_jobs()
+    with connections[alias].cursor() as cursor:
+        cursor.execute(sql.JOB_HEALTH, {"declared": list(declared)})
+        rows = cursor.fetchall()
+    abandoned = _abandoned(alias, [(r[0], r[13]) for r in rows if r[13] is not None and r[19]])
+    judged = []
+    for row in rows:
+        name, claim_schedule = row[0], row[12]
+        spec = declared.get(name) or JobSpec(
+            name, schedule=claim_schedule or None, grace=DEFAULT_GRACE, declared=False
+        )
+        judged.append(_judge(spec, row, abandoned))
+    if announce:
+        _announce(alias, judged)
+    return judged
+
+
+def _abandoned(alias: str, held: list[tuple[str, int]]) -> set[tuple[str, int]]:
+    if not held:
+        return set()
+    names = [name for name, _ in held]
+    params = {
+        "names": names,
+        "tokens": [token for _, token in held],
+        "keys": [sql.advisory_key(name) for name in names],
+    }
+    with connections[alias].cursor() as cursor:
+        cursor.execute(sql.ABANDONED, params)
+        return {(name, token) for name, token in cursor.fetchall()}
+
+
+_SIGNALS = {"overdue": signals.job_overdue, "failing": signals.job_failing}
+
+
+def _announce(alias: str, judged: Iterable[JobHealth]) -> None:
+    """Open the episodes of overdue and failing jobs (announcing the new ones) and close
+    the episodes of jobs that are no longer so."""
+    with connections[alias].cursor() as cursor:
+        for health in judged:
+            current = [health.state] if health.state in _SIGNALS else []
+            if set(health.episodes) - set(current):
+                cursor.execute(sql.EPISODE_CLOSE, {"name": health.name, "open": current})
+            if current and current[0] not in health.episodes:
+                cursor.execute(sql.EPISODE_OPEN, {"name": health.name, "kind": current[0]})
+                if cursor.fetchone() is not None:
+                    send(_SIGNALS[current[0]], None, name=health.name, health=health)
