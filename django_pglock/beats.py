@@ -94,8 +94,8 @@ def sweep_orphans(conn: LockConnection, leases: list[Lease], now: float) -> floa
                 )
                 key = sql.advisory_key(name)
                 if keyed and key not in keys:
-                    params = {"key": key, "name": name, "token": None}
-                    conn.execute(sql.UNLOCK, params, session=conn.generation)
+                    unlock = {"key": key, "name": name, "token": None}
+                    conn.execute(sql.UNLOCK, unlock, session=conn.generation)
     except LockError as exc:
         conn.orphans_possible = True
         logger.debug("django_pglock: sweeping orphaned grants failed: %s", exc)

@@ -39,7 +39,6 @@ DEFAULTS: dict[str, Any] = {
     "RECORD_RUNS": True,
     "SCHEDULE_TOLERANCE": 5.0,
     "JOBS": None,
-    "HEALTH_TOKEN": None,
 }
 
 

@@ -232,7 +232,7 @@ def _abandoned(alias: str, held: list[tuple[str, int]]) -> set[tuple[str, int]]:
     if not held:
         return set()
     names = [name for name, _ in held]
-    params = {
+    params: dict[str, Any] = {
         "names": names,
         "tokens": [token for _, token in held],
         "keys": [sql.advisory_key(name) for name in names],
