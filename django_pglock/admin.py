@@ -1,4 +1,5 @@
-"""Admin pages: who holds what and whether it looks alive, forced release, run history."""
+"""Admin pages: who holds what and whether it looks alive, forced release, run history,
+and the jobs page (each job's health, :mod:`.admin_jobs`)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from django.db.models import QuerySet
 from django.db.models.expressions import RawSQL
 from django.http import HttpRequest, HttpResponse
 from django.template.response import TemplateResponse
-from django.utils.html import format_html
+from django.urls import URLPattern, path
 
-from . import sql
-from .admin_base import LockDatabaseAdmin
+from . import admin_jobs, sql
+from .admin_base import OUTCOME_COLOURS, LockDatabaseAdmin, badge
 from .admin_filters import (
     JobNameFilter,
     LastSuccessFilter,
@@ -25,23 +26,6 @@ from .models import JobLock, JobRun
 from .operations import abandoned_grants, force_release
 
 STATE_COLOURS = {"ok": "#2e7d32", "alert": "#e65100", "stale": "#c62828", "abandoned": "#616161"}
-OUTCOME_COLOURS = {
-    "succeeded": "#2e7d32",
-    "running": "#1565c0",
-    "skipped": "#616161",
-    "failed": "#c62828",
-    "lost": "#e65100",
-}
-
-
-def _badge(word: str, colour: str) -> str:
-    """The word itself, coloured: readable with or without colour."""
-    return format_html(
-        '<span style="color:#fff;background:{};padding:1px 8px;border-radius:8px;'
-        'font-weight:bold">{}</span>',
-        colour,
-        word,
-    )
 
 
 @admin.register(JobLock)
@@ -83,7 +67,7 @@ class JobLockAdmin(LockDatabaseAdmin):
 
     @admin.display(description="state", ordering="state")
     def state_badge(self, obj: Any) -> str:
-        return _badge(obj.state, STATE_COLOURS[obj.state])
+        return badge(obj.state, STATE_COLOURS[obj.state])
 
     @admin.display(description="heartbeat age", ordering="-last_heartbeat")
     def heartbeat_age_display(self, obj: Any) -> str:
@@ -184,6 +168,18 @@ class JobRunAdmin(LockDatabaseAdmin):
     date_hierarchy = "started_at"
     ordering = ("-started_at",)
 
+    def get_urls(self) -> list[URLPattern]:
+        """The run history's URLs, and the jobs page (``jobs/``, named
+        ``admin:django_pglock_jobrun_jobs``) before them: the change page's catch-all
+        would take ``jobs/`` for a run's id."""
+        name = f"{self.opts.app_label}_{self.opts.model_name}_jobs"
+        jobs = path("jobs/", self.admin_site.admin_view(self.jobs_view), name=name)
+        return [jobs, *super().get_urls()]
+
+    def jobs_view(self, request: HttpRequest) -> HttpResponse:
+        """Each job's health, last runs and recent runs (see :mod:`.admin_jobs`)."""
+        return admin_jobs.jobs_page(self, request)
+
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
@@ -195,7 +191,7 @@ class JobRunAdmin(LockDatabaseAdmin):
 
     @admin.display(description="outcome", ordering="outcome")
     def outcome_badge(self, obj: JobRun) -> str:
-        return _badge(obj.outcome, OUTCOME_COLOURS.get(obj.outcome, "#616161"))
+        return badge(obj.outcome, OUTCOME_COLOURS.get(obj.outcome, "#616161"))
 
     @admin.display(description="duration", ordering="duration")
     def duration_display(self, obj: JobRun) -> str:

@@ -1,4 +1,5 @@
-"""What both admin pages share: they read the lock database, and ignore what cannot be text.
+"""What the admin pages share: they read the lock database, ignore what cannot be text,
+and show states as coloured words.
 
 The lock engine writes its rows on ``DJANGO_PGLOCK["DATABASE"]``; the admin reads them
 there too, whatever the project's database routers say (a project need not add a router
@@ -16,6 +17,7 @@ from django.contrib.admin.helpers import ACTION_CHECKBOX_NAME
 from django.contrib.admin.views import main
 from django.db.models import Model, QuerySet
 from django.http import HttpRequest, HttpResponse, QueryDict
+from django.utils.html import format_html
 
 from .conf import get_setting, validate_alias
 
@@ -24,7 +26,25 @@ if TYPE_CHECKING:  # ModelAdmin is generic for type checkers only
 else:
     ModelAdminBase = admin.ModelAdmin
 
-__all__ = ["LockDatabaseAdmin"]
+__all__ = ["OUTCOME_COLOURS", "LockDatabaseAdmin", "badge"]
+
+OUTCOME_COLOURS = {
+    "succeeded": "#2e7d32",
+    "running": "#1565c0",
+    "skipped": "#616161",
+    "failed": "#c62828",
+    "lost": "#e65100",
+}
+
+
+def badge(word: str, colour: str) -> str:
+    """The word itself, coloured: readable with or without colour."""
+    return format_html(
+        '<span style="color:#fff;background:{};padding:1px 8px;border-radius:8px;'
+        'font-weight:bold">{}</span>',
+        colour,
+        word,
+    )
 
 
 # What a change list reads besides its filters: search, ordering, page, "show all", popups,

@@ -4,11 +4,12 @@
 
 ``default`` is SQLite, the locks are on ``locks`` (PostgreSQL) and there is no router
 (tests/multidb_settings.py). The child migrates its SQLite file, logs a superuser in with
-Django's test client, visits both admin pages with their filters and search, the change
-page of ``<victim>``, force-releases ``<victim>`` through the confirmation page, runs
-``pglock_status --json``, and prints one JSON object (its last stdout line) with what it
-saw: per page the status code, the rows listed (lock names with their state, run ids),
-the messages, or the error a page raised. tests/test_admin_multidb.py asserts on it.
+Django's test client, visits the admin pages (holders, runs, jobs) with their filters and
+search, the change page of ``<victim>``, force-releases ``<victim>`` through the
+confirmation page, runs ``pglock_status --json``, and prints one JSON object (its last
+stdout line) with what it saw: per page the status code, the rows listed (lock names with
+their state, run ids, jobs with their health), the messages, or the error a page raised.
+tests/test_admin_multidb.py asserts on it.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def visit(client: Any, url: str, data: dict[str, Any] | None = None, *, post: bo
             [obj.pk, getattr(obj, "state", obj.pk)] for obj in context["cl"].result_list
         ]
         seen["count"] = context["cl"].result_count
+    if "rows" in context and "recent" in context:  # the jobs page
+        seen["jobs"] = [[row.health.name, row.health.state] for row in context["rows"]]
+        seen["charts"] = {row.health.name: row.chart.count("<rect") for row in context["rows"]}
     if "locks" in context:
         seen["confirming"] = [lock.pk for lock in context["locks"]]
     if "messages" in context:
@@ -75,6 +79,10 @@ def main(victim: str, search: str) -> dict[str, Any]:
         "runs_last_success": visit(client, runs, {"show": "last-success"}),
         "runs_failed": visit(client, runs, {"outcome": "failed"}),
         "runs_search": visit(client, runs, {"q": search}),
+        "jobs": visit(client, reverse("admin:django_pglock_jobrun_jobs")),
+        "jobs_failing": visit(
+            client, reverse("admin:django_pglock_jobrun_jobs"), {"state": "failing"}
+        ),
     }
     status = io.StringIO()
     call_command("pglock_status", "--json", stdout=status)

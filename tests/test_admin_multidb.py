@@ -1,7 +1,7 @@
 """The admin of a project whose locks live on a database of their own (issue 13, item 1).
 
 ``DJANGO_PGLOCK["DATABASE"] = "locks"``, ``default`` on SQLite, and no database router
-(tests/multidb_settings.py): both admin pages, their filters, search and the forced
+(tests/multidb_settings.py): the admin pages, their filters, search and the forced
 release must read and act on the lock database, showing what ``pglock_status`` shows.
 The admin runs in a child process with those settings (tests/multidb_admin.py); the
 locks and runs it must show are made here, on the test database, which is that child's
@@ -98,6 +98,13 @@ def test_both_admins_read_the_lock_database_without_a_router(procs, multidb_env,
     assert set(rows(seen["runs_failed"])) == {failed.pk}
     assert first.pk in rows(seen["runs"])
     assert rows(seen["runs_search"]) == {}  # no run of the lock named `alert`
+
+    # The jobs page: the job's health and its recent runs, read on the lock database.
+    for page in (seen["jobs"], seen["jobs_failing"]):
+        assert "error" not in page, page.get("trace")
+        assert page["status"] == 200
+        assert ["recorded-job", "failing"] in page["jobs"]
+        assert page["charts"]["recorded-job"] == 3
 
     # The forced release: confirmed on the lock database, logged in the default one.
     assert "error" not in seen["confirm"], seen["confirm"].get("trace")

@@ -8,14 +8,16 @@ holds off reclaims (``FOR UPDATE``) and deletes.
 
 The statements live in :mod:`.acquire`, :mod:`.holder` (the holder's own),
 :mod:`.operator` (forced release, run history, pruning, schedules), :mod:`.status`
-(state and abandoned grants) and :mod:`.isolation` (what tests leave); this package
-exports them all.
+(state and abandoned grants), :mod:`.health` (job health), :mod:`.history` (the admin's
+recent runs per job) and :mod:`.isolation` (what tests leave); this package exports them
+all.
 """
 
 from __future__ import annotations
 
 from .acquire import *  # noqa: F403
 from .health import *  # noqa: F403
+from .history import *  # noqa: F403
 from .holder import *  # noqa: F403
 from .isolation import *  # noqa: F403
 from .names import SEQUENCE as SEQUENCE
