@@ -29,6 +29,7 @@ from .conf import get_setting, schedule_tolerance
 from .connection import validate_alias
 from .events import send
 from .jobspec import DEFAULT_GRACE, JobSpec, declared_jobs
+from .schedule import _cronsim
 
 __all__ = ["PROBLEMS", "STATES", "JobHealth", "job_health"]
 
@@ -97,8 +98,7 @@ class JobHealth:
 
 def _ticks(expression: str, now: datetime.datetime) -> tuple[datetime.datetime, datetime.datetime]:
     """The latest tick at or before ``now`` and the first after it, in the active zone."""
-    import cronsim
-
+    cronsim = _cronsim()
     zone = timezone.get_current_timezone()
     local = timezone.localtime(now, zone).replace(microsecond=0)
     after = (local.astimezone(datetime.timezone.utc) + datetime.timedelta(seconds=1)).astimezone(

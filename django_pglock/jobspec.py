@@ -77,8 +77,13 @@ def parse_duration(label: str, value: object) -> float:
 
 
 def _check_schedule(label: str, value: object) -> str:
-    import cronsim
-
+    try:
+        import cronsim
+    except ImportError:
+        raise ValueError(
+            f"{label} needs the cronsim package to read cron expressions; install "
+            "django-singleton-jobs[schedule]."
+        ) from None
     if not isinstance(value, str):
         raise ValueError(
             f"{label}={value!r} is not a cron expression; use a string such as '0 3 * * *'."
