@@ -175,9 +175,8 @@ def test_the_health_check_backend_fails_on_a_failing_job_without_naming_it(faili
         assert message is not None and "failing" in message and failing_job not in message
         check = pglock_health_check.JobHealthCheck()
         if hasattr(check, "run"):  # django-health-check 4
-            from health_check.exceptions import ServiceUnavailable
-
             from asgiref.sync import async_to_sync
+            from health_check.exceptions import ServiceUnavailable
 
             with pytest.raises(ServiceUnavailable):
                 async_to_sync(check.run)()
