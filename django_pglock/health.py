@@ -17,6 +17,7 @@ per episode: the episode is a row that closes when the job is healthy again.
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,15 +99,26 @@ class JobHealth:
 
 def _ticks(expression: str, now: datetime.datetime) -> tuple[datetime.datetime, datetime.datetime]:
     """The latest tick at or before ``now`` and the first after it, in the active zone."""
-    cronsim = _cronsim()
     zone = timezone.get_current_timezone()
-    local = timezone.localtime(now, zone).replace(microsecond=0)
-    after = (local.astimezone(datetime.timezone.utc) + datetime.timedelta(seconds=1)).astimezone(
-        zone
-    )
+    return _zone_ticks(expression, int(now.timestamp()), zone)
+
+
+@functools.lru_cache(maxsize=512)
+def _zone_ticks(
+    expression: str, second: int, zone: datetime.tzinfo
+) -> tuple[datetime.datetime, datetime.datetime]:
+    # Jobs of one call share their expression and the database clock: computed once.
+    cronsim = _cronsim()
+    local = datetime.datetime.fromtimestamp(second, zone)
+    after = datetime.datetime.fromtimestamp(second + 1, zone)
     previous: datetime.datetime = next(cronsim.CronSim(expression, after, reverse=True))
     following: datetime.datetime = next(cronsim.CronSim(expression, local))
     return previous, following
+
+
+def _at(epoch: float | None) -> datetime.datetime | None:
+    """An aware UTC datetime from seconds since the epoch (as the statement sends times)."""
+    return None if epoch is None else datetime.datetime.fromtimestamp(epoch, datetime.timezone.utc)
 
 
 def _due(
@@ -134,29 +146,14 @@ def _due(
 
 
 def _judge(spec: JobSpec, row: tuple[Any, ...], abandoned: set[tuple[str, int]]) -> JobHealth:
-    (
-        name,
-        now,
-        outcome,
-        started,
-        finished,
-        duration,
-        host,
-        ok_started,
-        ok_finished,
-        bad_started,
-        _bad_outcome,
-        claim_slot,
-        _claim_schedule,
-        token,
-        holder_host,
-        holder_pid,
-        acquired_at,
-        held_for,
-        lock_state,
-        _advisory,
-        episodes,
-    ) = row
+    (name, now, outcome, started, finished, duration, host, ok_started, ok_finished) = row[:9]
+    (bad_started, _, claim_slot, _, token, holder_host, holder_pid, acquired_at) = row[9:17]
+    held_for, lock_state, _, episodes = row[17:]
+    now, started, finished, acquired_at = _at(now), _at(started), _at(finished), _at(acquired_at)
+    ok_started, ok_finished, bad_started, claim_slot = map(
+        _at, (ok_started, ok_finished, bad_started, claim_slot)
+    )
+    assert now is not None
     last_start = max((t for t in (started, claim_slot) if t is not None), default=None)
     due, next_due, overdue = _due(spec, now, last_start, ok_finished or ok_started)
     holder = None
