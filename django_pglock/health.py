@@ -177,7 +177,9 @@ def _judge(spec: JobSpec, row: tuple[Any, ...], abandoned: set[tuple[str, int]])
         state = "overdue"
         detail = f"a start was due at {due.isoformat() if due else '?'} and none began"
     elif outcome in ("failed", "lost"):
-        state, detail = "failing", f"its last run {outcome} at {(finished or started).isoformat()}"
+        when = finished or started
+        state = "failing"
+        detail = f"its last run {outcome} at {when.isoformat() if when else '?'}"
     else:
         state, detail = "healthy", ""
     return JobHealth(
