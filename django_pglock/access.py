@@ -13,7 +13,7 @@ from django.http import HttpRequest
 
 from .conf import get_setting
 
-__all__ = ["may_see_details"]
+__all__ = ["MIN_TOKEN", "is_usable_token", "may_see_details"]
 
 
 def may_see_details(request: HttpRequest) -> bool:
@@ -22,9 +22,26 @@ def may_see_details(request: HttpRequest) -> bool:
     if user is not None and user.is_authenticated and user.is_active and user.is_staff:
         return True
     token = get_setting("HEALTH_TOKEN")
-    if not isinstance(token, str) or len(token) < 16:
+    if not is_usable_token(token):
         return False  # unset, or unusable (reported by manage.py check as E015)
-    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not given:
+    scheme, _, given = request.headers.get("Authorization", "").strip().partition(" ")
+    if scheme.lower() != "bearer" or not given.strip():
         return False
-    return hmac.compare_digest(given.strip().encode(), token.encode())
+    # Header values arrive as latin-1 text (WSGI, ASGI): compare their bytes.
+    return hmac.compare_digest(given.strip().encode("latin-1", "replace"), token.encode("ascii"))
+
+
+#: The shortest token accepted.
+MIN_TOKEN = 16
+
+
+def is_usable_token(token: object) -> bool:
+    """A string of at least 16 printable ASCII characters, no space at either end: one
+    that an HTTP client can send in a header and that compares as sent."""
+    return (
+        isinstance(token, str)
+        and len(token) >= MIN_TOKEN
+        and token.isascii()
+        and token.isprintable()
+        and token == token.strip()
+    )

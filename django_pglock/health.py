@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import connections
+from django.db import connections, transaction
 from django.utils import timezone
 
 from . import signals, sql
@@ -98,8 +98,9 @@ class JobHealth:
 
 
 def _ticks(expression: str, now: datetime.datetime) -> tuple[datetime.datetime, datetime.datetime]:
-    """The latest tick at or before ``now`` and the first after it, in the active zone."""
-    zone = timezone.get_current_timezone()
+    """The latest tick at or before ``now`` and the first after it, in ``TIME_ZONE``
+    (never the zone a request activated: one job has one state, whoever asks)."""
+    zone = timezone.get_default_timezone()
     return _zone_ticks(expression, int(now.timestamp()), zone)
 
 
@@ -141,7 +142,8 @@ def _due(
         if last_success is None:
             return None, None, False  # nothing says when the first success was due
         following = last_success + every
-        return following, following, now - grace > following
+        started = last_start is not None and last_start >= following
+        return following, following, now - grace > following and not started
     return None, None, False
 
 
@@ -166,7 +168,9 @@ def _judge(spec: JobSpec, row: tuple[Any, ...], abandoned: set[tuple[str, int]])
             "held_for": held_for,
             "lock_state": lock_state,
         }
-    if token is not None and (name, token) in abandoned:
+    if token is not None and lock_state == "stale":
+        token = None  # its next contender reclaims it: judged as if nobody held it
+    if holder is not None and (name, holder["token"]) in abandoned:
         state, detail = "abandoned", "its holder is gone; the next contender takes it at once"
     elif token is not None and spec.max_duration is not None and held_for > spec.max_duration:
         state = "too-long"
@@ -205,25 +209,29 @@ def _judge(spec: JobSpec, row: tuple[Any, ...], abandoned: set[tuple[str, int]])
 def job_health(using: str | None = None, *, announce: bool = True) -> list[JobHealth]:
     """Every job's health (declared jobs, scheduled jobs, names with run history), by name.
 
-    Two statements at most: the jobs with their runs, claims and holders, then whether
-    the holders on the advisory path are gone. With ``announce``, opens and closes health
+    Two reads at most, in one transaction bounded like the lock statements (5 s for a
+    lock, 30 s for a statement): the jobs with their runs, claims and holders, then
+    whether the holders on the advisory path are gone. With ``announce``, opens and closes health
     episodes and sends ``job_overdue`` / ``job_failing`` for the ones it opened.
     """
     alias = validate_alias(using if using is not None else get_setting("DATABASE"))
     declared = declared_jobs()
-    with connections[alias].cursor() as cursor:
-        cursor.execute(sql.JOB_HEALTH, {"declared": list(declared)})
-        rows = cursor.fetchall()
-    abandoned = _abandoned(alias, [(r[0], r[13]) for r in rows if r[13] is not None and r[19]])
-    judged = []
-    for row in rows:
-        name, claim_schedule = row[0], row[12]
-        spec = declared.get(name) or JobSpec(
-            name, schedule=claim_schedule or None, grace=DEFAULT_GRACE, declared=False
-        )
-        judged.append(_judge(spec, row, abandoned))
-    if announce:
-        _announce(alias, judged)
+    with transaction.atomic(using=alias):
+        with connections[alias].cursor() as cursor:
+            cursor.execute(sql.HEALTH_BOUNDS)
+            cursor.execute(sql.JOB_HEALTH, {"declared": list(declared)})
+            rows = cursor.fetchall()
+        held = [(r[0], r[13]) for r in rows if r[13] is not None and r[19]]
+        abandoned = _abandoned(alias, held)
+        judged = []
+        for row in rows:
+            name, claim_schedule = row[0], row[12]
+            spec = declared.get(name) or JobSpec(
+                name, schedule=claim_schedule or None, grace=DEFAULT_GRACE, declared=False
+            )
+            judged.append(_judge(spec, row, abandoned))
+        if announce:
+            _announce(alias, judged)
     return judged
 
 
@@ -250,7 +258,10 @@ def _announce(alias: str, judged: Iterable[JobHealth]) -> None:
     with connections[alias].cursor() as cursor:
         for health in judged:
             current = [health.state] if health.state in _SIGNALS else []
-            if set(health.episodes) - set(current):
+            # An episode ends when the job is healthy again, or turns into the other kind;
+            # a retry that is running (or too long, or abandoned) does not end it.
+            ending = health.state == "healthy" or bool(current)
+            if ending and set(health.episodes) - set(current):
                 cursor.execute(sql.EPISODE_CLOSE, {"name": health.name, "open": current})
             if current and current[0] not in health.episodes:
                 cursor.execute(sql.EPISODE_OPEN, {"name": health.name, "kind": current[0]})

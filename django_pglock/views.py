@@ -31,8 +31,9 @@ logger = logging.getLogger("django_pglock")
 @require_safe
 def health(request: HttpRequest) -> JsonResponse:
     """Overall job health for probes and uptime checkers (see the module docstring)."""
-    details = may_see_details(request)
     try:
+        # Inside: reading the session's user needs the database too.
+        details = may_see_details(request)
         jobs = job_health()
     except (DatabaseError, LockError) as exc:
         # The reason goes to the log, not to the caller (it may name hosts).

@@ -8,7 +8,12 @@ from .names import RUNS as _RUNS
 from .names import TABLE_SQL as _T
 from .names import quote_name
 
-__all__ = ["EPISODE_CLOSE", "EPISODE_OPEN", "JOB_HEALTH"]
+__all__ = ["EPISODE_CLOSE", "EPISODE_OPEN", "HEALTH_BOUNDS", "JOB_HEALTH"]
+
+# Job health runs on Django's own connection, in a transaction bounded like the lock
+# statements: a run table locked by a migration or VACUUM FULL makes a probe fail in
+# seconds (503), never hang a web worker.
+HEALTH_BOUNDS = "SET LOCAL lock_timeout = '5s'; SET LOCAL statement_timeout = '30s'"
 
 _CLAIMS = quote_name("django_pglock_scheduleclaim")
 _EPISODES = quote_name("django_pglock_jobepisode")
@@ -29,12 +34,13 @@ WITH RECURSIVE run_names AS (
 ), claim AS (
     SELECT DISTINCT ON (c.name) c.name, c.slot, c.schedule FROM {_CLAIMS} c
     ORDER BY c.name, c.slot DESC
+), episodes AS (
+    SELECT e.name, array_agg(e.kind ORDER BY e.kind) AS kinds FROM {_EPISODES} e GROUP BY e.name
 ), jobs AS (
     SELECT name FROM run_names WHERE name IS NOT NULL
     UNION SELECT unnest(%(declared)s::varchar[])
     UNION SELECT name FROM claim WHERE schedule <> ''
-), episodes AS (
-    SELECT e.name, array_agg(e.kind ORDER BY e.kind) AS kinds FROM {_EPISODES} e GROUP BY e.name
+    UNION SELECT name FROM episodes  -- an episode outlives its history: judged, it closes
 )
 SELECT j.name, {_EPOCH.format("now()")},
        last.outcome, {_EPOCH.format("last.started_at")}, {_EPOCH.format("last.finished_at")},
