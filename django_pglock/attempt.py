@@ -17,6 +17,7 @@ from .connection import LockConnection, get_connection
 from .events import call_metrics, send
 from .exceptions import DatabaseUnavailable, LockError
 from .identity import current
+from .keys import key_shared
 from .lease import Lease
 from .states import Key
 
@@ -115,7 +116,7 @@ class AttemptMixin:
                 # A lease of this process may hold the key already (its row deleted by a
                 # forced release it has not noticed): then the statement looks, and never
                 # takes the key twice.
-                kept = use_advisory and _key_kept(conn, resolved.key)
+                kept = use_advisory and key_shared(conn, resolved.key)
                 sent_params = {**params, "maybe_held": kept}
                 rows = conn.execute(statement, sent_params, after_failure=failed, deadline=deadline)
                 if rows[0][0] is not None:
@@ -138,7 +139,7 @@ class AttemptMixin:
         session-level lock outlives the rolled-back statement): give it back, unless a
         lease of this process holds it on this session (then the attempt never took it).
         Runs while the statement's caller still holds the connection."""
-        if not conn.is_open() or _key_kept(conn, key):
+        if not conn.is_open() or key_shared(conn, key):
             return  # the key went with the session, or a lease of this process holds it
         with contextlib.suppress(LockError):
             params = {"key": key, "name": self.name, "token": None}
@@ -227,16 +228,6 @@ class AttemptMixin:
             send(signals.lock_reclaimed, self, lease=lease, previous=previous, reason=reason)
             call_metrics(self._hooks(), "stale_reclaimed", self.name)
         return previous
-
-
-def _key_kept(conn: LockConnection, key: int) -> bool:
-    """Whether a lease of this process holds advisory ``key`` on the current session of
-    ``conn`` (call while holding ``conn.lock``)."""
-    generation = conn.generation
-    return any(
-        lease._key == key and lease._key_state is Key.HELD and lease._generation == generation
-        for lease in heartbeat.registry().leases(conn.alias)
-    )
 
 
 def _left(deadline: float | None) -> float:

@@ -161,13 +161,27 @@ def check_settings(app_configs: Sequence[Any] | None = None, **kwargs: Any) -> l
 
 
 def _check_jobs(values: dict[str, Any]) -> list[CheckMessage]:
-    """``JOBS``: one E014 per entry that cannot be read."""
+    """``JOBS`` (one E014 per entry that cannot be read) and ``HEALTH_TOKEN`` (E015)."""
+    from .access import is_usable_token
     from .jobspec import parse_jobs
 
-    return [
+    errors: list[CheckMessage] = [
         Error(problem, hint="See the README, section Job health.", id="django_pglock.E014")
         for problem in parse_jobs(values["JOBS"])[1]
     ]
+    token = values["HEALTH_TOKEN"]
+    if token is not None and not is_usable_token(token):
+        errors.append(
+            Error(
+                f"{SETTING_NAME}['HEALTH_TOKEN'] is {kind_of(token)} that cannot be a token "
+                "(its value is not shown).",
+                hint="Use a random string of at least 16 printable ASCII characters without "
+                "spaces at either end, such as secrets.token_urlsafe(32) read from the "
+                "environment, or None.",
+                id="django_pglock.E015",
+            )
+        )
+    return errors
 
 
 def _capital(text: str) -> str:

@@ -39,6 +39,7 @@ DEFAULTS: dict[str, Any] = {
     "RECORD_RUNS": True,
     "SCHEDULE_TOLERANCE": 5.0,
     "JOBS": None,
+    "HEALTH_TOKEN": None,
 }
 
 

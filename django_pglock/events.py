@@ -18,6 +18,7 @@ METRICS_METHODS = (
     "acquired",
     "released",
     "contended",
+    "skipped",
     "stale_reclaimed",
     "alert",
     "lost",

@@ -17,11 +17,12 @@ per episode: the episode is a row that closes when the job is healthy again.
 from __future__ import annotations
 
 import datetime
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from django.db import connections
+from django.db import connections, transaction
 from django.utils import timezone
 
 from . import signals, sql
@@ -29,6 +30,7 @@ from .conf import get_setting, schedule_tolerance
 from .connection import validate_alias
 from .events import send
 from .jobspec import DEFAULT_GRACE, JobSpec, declared_jobs
+from .schedule import _cronsim
 
 __all__ = ["PROBLEMS", "STATES", "JobHealth", "job_health"]
 
@@ -96,17 +98,28 @@ class JobHealth:
 
 
 def _ticks(expression: str, now: datetime.datetime) -> tuple[datetime.datetime, datetime.datetime]:
-    """The latest tick at or before ``now`` and the first after it, in the active zone."""
-    import cronsim
+    """The latest tick at or before ``now`` and the first after it, in ``TIME_ZONE``
+    (never the zone a request activated: one job has one state, whoever asks)."""
+    zone = timezone.get_default_timezone()
+    return _zone_ticks(expression, int(now.timestamp()), zone)
 
-    zone = timezone.get_current_timezone()
-    local = timezone.localtime(now, zone).replace(microsecond=0)
-    after = (local.astimezone(datetime.timezone.utc) + datetime.timedelta(seconds=1)).astimezone(
-        zone
-    )
+
+@functools.lru_cache(maxsize=512)
+def _zone_ticks(
+    expression: str, second: int, zone: datetime.tzinfo
+) -> tuple[datetime.datetime, datetime.datetime]:
+    # Jobs of one call share their expression and the database clock: computed once.
+    cronsim = _cronsim()
+    local = datetime.datetime.fromtimestamp(second, zone)
+    after = datetime.datetime.fromtimestamp(second + 1, zone)
     previous: datetime.datetime = next(cronsim.CronSim(expression, after, reverse=True))
     following: datetime.datetime = next(cronsim.CronSim(expression, local))
     return previous, following
+
+
+def _at(epoch: float | None) -> datetime.datetime | None:
+    """An aware UTC datetime from seconds since the epoch (as the statement sends times)."""
+    return None if epoch is None else datetime.datetime.fromtimestamp(epoch, datetime.timezone.utc)
 
 
 def _due(
@@ -129,34 +142,20 @@ def _due(
         if last_success is None:
             return None, None, False  # nothing says when the first success was due
         following = last_success + every
-        return following, following, now - grace > following
+        started = last_start is not None and last_start >= following
+        return following, following, now - grace > following and not started
     return None, None, False
 
 
 def _judge(spec: JobSpec, row: tuple[Any, ...], abandoned: set[tuple[str, int]]) -> JobHealth:
-    (
-        name,
-        now,
-        outcome,
-        started,
-        finished,
-        duration,
-        host,
-        ok_started,
-        ok_finished,
-        bad_started,
-        _bad_outcome,
-        claim_slot,
-        _claim_schedule,
-        token,
-        holder_host,
-        holder_pid,
-        acquired_at,
-        held_for,
-        lock_state,
-        _advisory,
-        episodes,
-    ) = row
+    (name, now, outcome, started, finished, duration, host, ok_started, ok_finished) = row[:9]
+    (bad_started, _, claim_slot, _, token, holder_host, holder_pid, acquired_at) = row[9:17]
+    held_for, lock_state, _, episodes = row[17:]
+    now, started, finished, acquired_at = _at(now), _at(started), _at(finished), _at(acquired_at)
+    ok_started, ok_finished, bad_started, claim_slot = map(
+        _at, (ok_started, ok_finished, bad_started, claim_slot)
+    )
+    assert now is not None
     last_start = max((t for t in (started, claim_slot) if t is not None), default=None)
     due, next_due, overdue = _due(spec, now, last_start, ok_finished or ok_started)
     holder = None
@@ -169,7 +168,9 @@ def _judge(spec: JobSpec, row: tuple[Any, ...], abandoned: set[tuple[str, int]])
             "held_for": held_for,
             "lock_state": lock_state,
         }
-    if token is not None and (name, token) in abandoned:
+    if token is not None and lock_state == "stale":
+        token = None  # its next contender reclaims it: judged as if nobody held it
+    if holder is not None and (name, holder["token"]) in abandoned:
         state, detail = "abandoned", "its holder is gone; the next contender takes it at once"
     elif token is not None and spec.max_duration is not None and held_for > spec.max_duration:
         state = "too-long"
@@ -180,7 +181,9 @@ def _judge(spec: JobSpec, row: tuple[Any, ...], abandoned: set[tuple[str, int]])
         state = "overdue"
         detail = f"a start was due at {due.isoformat() if due else '?'} and none began"
     elif outcome in ("failed", "lost"):
-        state, detail = "failing", f"its last run {outcome} at {(finished or started).isoformat()}"
+        when = finished or started
+        state = "failing"
+        detail = f"its last run {outcome} at {when.isoformat() if when else '?'}"
     else:
         state, detail = "healthy", ""
     return JobHealth(
@@ -206,25 +209,29 @@ def _judge(spec: JobSpec, row: tuple[Any, ...], abandoned: set[tuple[str, int]])
 def job_health(using: str | None = None, *, announce: bool = True) -> list[JobHealth]:
     """Every job's health (declared jobs, scheduled jobs, names with run history), by name.
 
-    Two statements at most: the jobs with their runs, claims and holders, then whether
-    the holders on the advisory path are gone. With ``announce``, opens and closes health
+    Two reads at most, in one transaction bounded like the lock statements (5 s for a
+    lock, 30 s for a statement): the jobs with their runs, claims and holders, then
+    whether the holders on the advisory path are gone. With ``announce``, opens and closes health
     episodes and sends ``job_overdue`` / ``job_failing`` for the ones it opened.
     """
     alias = validate_alias(using if using is not None else get_setting("DATABASE"))
     declared = declared_jobs()
-    with connections[alias].cursor() as cursor:
-        cursor.execute(sql.JOB_HEALTH, {"declared": list(declared)})
-        rows = cursor.fetchall()
-    abandoned = _abandoned(alias, [(r[0], r[13]) for r in rows if r[13] is not None and r[19]])
-    judged = []
-    for row in rows:
-        name, claim_schedule = row[0], row[12]
-        spec = declared.get(name) or JobSpec(
-            name, schedule=claim_schedule or None, grace=DEFAULT_GRACE, declared=False
-        )
-        judged.append(_judge(spec, row, abandoned))
-    if announce:
-        _announce(alias, judged)
+    with transaction.atomic(using=alias):
+        with connections[alias].cursor() as cursor:
+            cursor.execute(sql.HEALTH_BOUNDS)
+            cursor.execute(sql.JOB_HEALTH, {"declared": list(declared)})
+            rows = cursor.fetchall()
+        held = [(r[0], r[13]) for r in rows if r[13] is not None and r[19]]
+        abandoned = _abandoned(alias, held)
+        judged = []
+        for row in rows:
+            name, claim_schedule = row[0], row[12]
+            spec = declared.get(name) or JobSpec(
+                name, schedule=claim_schedule or None, grace=DEFAULT_GRACE, declared=False
+            )
+            judged.append(_judge(spec, row, abandoned))
+        if announce:
+            _announce(alias, judged)
     return judged
 
 
@@ -251,7 +258,10 @@ def _announce(alias: str, judged: Iterable[JobHealth]) -> None:
     with connections[alias].cursor() as cursor:
         for health in judged:
             current = [health.state] if health.state in _SIGNALS else []
-            if set(health.episodes) - set(current):
+            # An episode ends when the job is healthy again, or turns into the other kind;
+            # a retry that is running (or too long, or abandoned) does not end it.
+            ending = health.state == "healthy" or bool(current)
+            if ending and set(health.episodes) - set(current):
                 cursor.execute(sql.EPISODE_CLOSE, {"name": health.name, "open": current})
             if current and current[0] not in health.episodes:
                 cursor.execute(sql.EPISODE_OPEN, {"name": health.name, "kind": current[0]})

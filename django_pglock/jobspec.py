@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .conf import MAX_SECONDS, get_setting, setting_label
+from .conf import MAX_SECONDS, generation, get_setting, setting_label
 
 __all__ = ["DEFAULT_GRACE", "JobSpec", "declared_jobs", "parse_duration", "parse_jobs"]
 
@@ -77,8 +77,13 @@ def parse_duration(label: str, value: object) -> float:
 
 
 def _check_schedule(label: str, value: object) -> str:
-    import cronsim
-
+    try:
+        import cronsim
+    except ImportError:
+        raise ValueError(
+            f"{label} needs the cronsim package to read cron expressions; install "
+            "django-singleton-jobs[schedule]."
+        ) from None
     if not isinstance(value, str):
         raise ValueError(
             f"{label}={value!r} is not a cron expression; use a string such as '0 3 * * *'."
@@ -146,11 +151,18 @@ def parse_jobs(value: object) -> tuple[dict[str, JobSpec], list[str]]:
     return jobs, problems
 
 
+_declared: tuple[int, dict[str, JobSpec]] = (-1, {})
+
+
 def declared_jobs() -> dict[str, JobSpec]:
     """The valid entries of ``DJANGO_PGLOCK["JOBS"]`` (invalid ones are reported by
-    ``manage.py check`` as ``django_pglock.E014`` and left out here)."""
-    jobs, _ = parse_jobs(get_setting("JOBS"))
-    return jobs
+    ``manage.py check`` as ``django_pglock.E014`` and left out here). Read again when
+    ``override_settings`` changes a setting."""
+    global _declared
+    now = generation()
+    if _declared[0] != now:
+        _declared = (now, parse_jobs(get_setting("JOBS"))[0])
+    return _declared[1]
 
 
 def describe(spec: JobSpec) -> dict[str, Any]:

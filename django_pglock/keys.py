@@ -19,7 +19,7 @@ from .states import Key
 if TYPE_CHECKING:
     from .connection import LockConnection
 
-__all__ = ["FIRST_KEY_RETRY", "LAST_KEY_RETRY", "KeyMixin"]
+__all__ = ["FIRST_KEY_RETRY", "LAST_KEY_RETRY", "KeyMixin", "key_shared"]
 
 
 #: How soon a lease granted without its advisory key tries to take it again (doubling up
@@ -30,6 +30,23 @@ ADOPTION_IN_DOUBT = (
     "its session ended while it took its advisory key, so its row may say it holds a key "
     "nobody holds: a contender may take over at once"
 )
+
+
+def key_shared(conn: LockConnection, key: int, exclude: object = None) -> bool:
+    """Whether a lease of this process (other than ``exclude``) holds advisory ``key`` on
+    the current session of ``conn``. A session holds a key once, for every lease whose
+    row says so (see sql.acquire's ``maybe_held``): the last of them gives it back. Call
+    while holding ``conn.lock``."""
+    from . import heartbeat
+
+    generation = conn.generation
+    return any(
+        lease is not exclude
+        and lease._key == key
+        and lease._key_state is Key.HELD
+        and lease._generation == generation
+        for lease in heartbeat.registry().leases(conn.alias)
+    )
 
 
 class KeyMixin:
@@ -76,7 +93,10 @@ class KeyMixin:
 
     def _give_back_key(self) -> None:
         if self._claim_key():
-            # If the session ended meanwhile, the key went with it.
+            # If the session ended meanwhile, the key went with it; another lease of
+            # this process holding the same key keeps the hold.
+            if key_shared(self._conn, self._key, exclude=self):
+                return
             with contextlib.suppress(LockError):
                 params = {"key": self._key, "name": self.name, "token": self.token}
                 self._conn.execute(sql.UNLOCK, params, session=self._generation)

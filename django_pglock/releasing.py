@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from . import heartbeat, signals, sql
 from .events import call_metrics, send
-from .exceptions import LockError
+from .exceptions import ConnectionBusy, LockError
+from .keys import key_shared
 from .states import Key, State
 
 if TYPE_CHECKING:
@@ -151,7 +152,22 @@ class ReleaseMixin:
                 raise
 
     def _try_delete(self, wait: float | None) -> bool:
+        lock = self._conn.lock
+        if not lock.acquire(timeout=-1 if wait is None else wait):
+            raise ConnectionBusy(
+                f"The lock connection for database alias {self._conn.alias!r} stayed busy "
+                f"with another statement for {wait:.1f} s."
+            )
+        try:  # holding the connection: no grant can share the key meanwhile
+            return self._delete(wait)
+        finally:
+            lock.release()
+
+    def _delete(self, wait: float | None) -> bool:
         unlock = self._key_state is Key.HELD and not self._session_ended()
+        # Another lease of this process that holds the same key (two names whose keys
+        # collide) shares this session's one hold of it: the last of them gives it back.
+        unlock = unlock and not key_shared(self._conn, self._key, exclude=self)
         params = {"name": self.name, "token": self.token, "advisory": unlock, "key": self._key}
         if self._run_id is None:
             statement = sql.RELEASE_GUARDED if self._guarded else sql.RELEASE

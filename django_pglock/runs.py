@@ -14,6 +14,7 @@ from django.db import models
 
 from . import sql, testcases
 from .connection import get_connection
+from .events import call_metrics
 from .identity import current
 
 if TYPE_CHECKING:
@@ -38,8 +39,9 @@ def record_skipped(lock: Lock, reason: SkipReason, lease: Lease | None = None) -
     Without a ``lease`` (the lock was not granted) this adds one finished ``skipped`` run.
     With one (granted, then skipped because its schedule slot had already started), the
     run its grant started is finished as ``skipped`` now; the release leaves a finished
-    run as it is.
+    run as it is. The metrics hooks hear of every skip, recorded or not.
     """
+    call_metrics(lock._hooks(), "skipped", lock.name, reason.value)
     if not lock.record:
         return
     if lease is not None:

@@ -161,9 +161,12 @@ def db_now(db):
 
 
 def acquire_attempted_since(db, since, backends=None):
-    """Server processes that started an acquire statement after ``since`` (DB clock)."""
+    """Server processes that started an acquire statement after ``since`` (DB clock).
+
+    An acquire starts with its name's gate (``pg_advisory_xact_lock``): pg_stat_activity
+    keeps only the first kilobyte of a statement (``track_activity_query_size``)."""
     rows = db.execute(
-        "SELECT pid FROM pg_stat_activity WHERE query LIKE '%%pg_try_advisory_lock%%'"
+        "SELECT pid FROM pg_stat_activity WHERE query LIKE '%%pg_advisory_xact_lock%%'"
         " AND query NOT LIKE '%%pg_stat_activity%%' AND query_start > %s",
         [since],
     ).fetchall()

@@ -20,6 +20,7 @@ from tests.subprocs import open_db
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("clean_locks")]
 
 OLD_RUNS = 50_000
+OLD_NAMES = 100  # the old runs belong to this many jobs
 RECENT_RUNS = 50
 JOBS = 5  # schedule claims: 5 jobs with 5,000 old slots each
 SLOTS = 5_000
@@ -63,10 +64,10 @@ def big_history(sql_db):
     sql_db.execute(
         "INSERT INTO django_pglock_jobrun (name, holder, host, pid, description, started_at,"
         " finished_at, duration, outcome)"
-        " SELECT 'prune-old-' || (i %% 100), 'h', 'host', 1, '', now() - interval '2 days',"
+        " SELECT 'prune-old-' || (i %% %s), 'h', 'host', 1, '', now() - interval '2 days',"
         " now() - interval '2 days' + interval '1 second', 1, 'succeeded'"
         " FROM generate_series(1, %s) i",
-        [OLD_RUNS],
+        [OLD_NAMES, OLD_RUNS],
     )
     sql_db.execute(
         "INSERT INTO django_pglock_jobrun (name, holder, host, pid, description, started_at,"
@@ -115,8 +116,9 @@ def test_prune_deletes_50000_rows_in_bounded_batches_and_keeps_what_must_stay(
     call_command("pglock_prune", "--older-than", "1d", stdout=out, stderr=err)
 
     kept_claims = JOBS
+    kept_runs = OLD_NAMES  # each old job's latest success stays, whatever its age
     assert out.getvalue().strip() == (
-        f"Deleted {OLD_RUNS} run(s) and {JOBS * SLOTS - kept_claims} schedule claim(s) "
+        f"Deleted {OLD_RUNS - kept_runs} run(s) and {JOBS * SLOTS - kept_claims} schedule claim(s) "
         "older than 1d."
     )
     assert err.getvalue() == ""  # not a terminal: no progress lines
@@ -128,14 +130,16 @@ def test_prune_deletes_50000_rows_in_bounded_batches_and_keeps_what_must_stay(
     runs = [rows[0] for query, _, rows in calls if query == sql.PRUNE_RUNS]
     claims = [rows[0] for query, _, rows in calls if query == sql.PRUNE_CLAIMS]
     assert all(gone <= BATCH for gone, _, _ in runs + claims)
-    assert len(runs) == OLD_RUNS // BATCH + 1
+    assert len(runs) == (OLD_RUNS - kept_runs) // BATCH + 1
     assert len(claims) == (JOBS * SLOTS - kept_claims) // BATCH + 1
 
-    # Kept: the recent runs, the old run still going on, the latest claim of each job.
+    # Kept: the recent runs, the old run still going on, each old job's latest success
+    # (job health is judged by it), the latest claim of each job.
     remaining = sql_db.execute(
         "SELECT name, count(*) FROM django_pglock_jobrun GROUP BY name ORDER BY name"
     ).fetchall()
-    assert remaining == sorted([("prune-recent", RECENT_RUNS), (big_history, 1)])
+    old_jobs = [(f"prune-old-{i}", 1) for i in range(OLD_NAMES)]
+    assert remaining == sorted([("prune-recent", RECENT_RUNS), (big_history, 1), *old_jobs])
     latest = sql_db.execute(
         "SELECT c.name FROM django_pglock_scheduleclaim c WHERE c.slot ="
         " (SELECT max(slot) FROM django_pglock_scheduleclaim n WHERE n.name = c.name)"
@@ -152,7 +156,7 @@ def test_prune_reports_progress_on_a_terminal(big_history, monkeypatch):
     progress = err.getvalue()
     assert f"Deleting old run(s): {BATCH} so far..." in progress
     assert f"Deleting old run(s): {OLD_RUNS - BATCH} so far..." in progress
-    assert f"Deleting old run(s): {OLD_RUNS} done." in progress
+    assert f"Deleting old run(s): {OLD_RUNS - OLD_NAMES} done." in progress
     assert f"Deleting old schedule claim(s): {JOBS * SLOTS - JOBS} done." in progress
 
 

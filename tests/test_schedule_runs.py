@@ -296,7 +296,9 @@ def test_a_run_further_before_the_tick_than_the_tolerance_belongs_to_the_slot_be
 def test_with_ticks_closer_than_the_tolerance_a_run_belongs_to_the_nearest():
     every_two_seconds = ScheduleSlot("*/2 * * * * *", "often")  # a seconds field first
     assert every_two_seconds.current_slot(at("2026-03-10 03:00:00.400")) == at("2026-03-10 03:00")
-    assert every_two_seconds.current_slot(at("2026-03-10 03:00:01.600")) == at("2026-03-10 03:00:02")
+    assert every_two_seconds.current_slot(at("2026-03-10 03:00:01.600")) == at(
+        "2026-03-10 03:00:02"
+    )
 
 
 def test_slots_are_computed_in_the_active_time_zone():

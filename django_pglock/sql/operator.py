@@ -55,7 +55,8 @@ WHERE name = %(name)s AND token = %(token)s AND finished_at IS NULL
 # order, that are older than the cutoff (taken once from the database clock). Returns how
 # many it deleted, how many it picked and the last id picked (where the next batch starts);
 # fewer picked than the batch size means done. Nothing else comes back to the client.
-# Runs: kept whatever their age, a run still going on.
+# Runs: kept whatever their age, a run still going on, and each job's latest run of each
+# outcome (its last success and last failure are what job health is judged by).
 PRUNE_RUNS = f"""
 WITH batch AS (
     SELECT r.id FROM {_RUNS} r
@@ -63,6 +64,9 @@ WITH batch AS (
       AND coalesce(r.finished_at, r.started_at) < %(cutoff)s
       AND NOT (r.finished_at IS NULL
                AND EXISTS (SELECT 1 FROM {_T} j WHERE j.name = r.name AND j.token = r.token))
+      AND EXISTS (SELECT 1 FROM {_RUNS} n
+                  WHERE n.name = r.name AND n.outcome = r.outcome
+                    AND (n.started_at, n.id) > (r.started_at, r.id))
     ORDER BY r.id
     LIMIT %(batch)s
 ), gone AS (

@@ -52,6 +52,12 @@ DJANGO_PGLOCK = {
     "HEARTBEAT_INTERVAL": 2.0,
     "ALERT_AFTER": 6.0,
     "STALE_AFTER": 60.0,
+    # Job health: what each job promises. "export-orders" must succeed every few seconds,
+    # so that the demo can show it overdue; a real one would say "every": "15m".
+    "JOBS": {
+        "nightly_report": {"max_duration": "1m"},
+        "export-orders": {"every": "3s", "grace": "1s"},
+    },
 }
 
 LOGGING = {

@@ -1,4 +1,5 @@
-"""`manage.py demo`: two workers fire the same job at once; one runs, one skips."""
+"""`manage.py demo`: two workers fire the same job at once; one runs, one skips; then
+per-tenant exclusion and job health."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         call_command("migrate", verbosity=0)
         manage = sys.argv[0]
+        # An export that succeeds once, then nobody runs it again (see step 4).
+        subprocess.run(
+            [sys.executable, manage, "locked_run", "--name", "export-orders", "check"],
+            capture_output=True,
+            check=True,
+        )
         self.stdout.write("1. Cron fires `nightly_report` on two workers at the same moment:\n")
         workers = [
             subprocess.Popen(
@@ -50,3 +57,9 @@ class Command(BaseCommand):
 
         self.stdout.write("\n3. Afterwards nothing is held:\n")
         call_command("pglock_status", stdout=self.stdout)
+
+        self.stdout.write(
+            "\n4. Job health: `export-orders` must succeed every 3 s (settings.py) and ran"
+            " once,\n   at the start; since then no host has run it:\n"
+        )
+        call_command("pglock_status", "--jobs", stdout=self.stdout)

@@ -1,0 +1,185 @@
+"""Job health at scale: 1,000 jobs with 100,000 history rows, next to a floor.
+
+    python benchmarks/bench_health.py [--jobs 1000] [--runs 100] [--rounds 15] [--json]
+
+Starts a throwaway PostgreSQL server the way the test suite does (or uses ``DATABASE_URL``),
+creates a throwaway database, migrates ``django_pglock`` into it and fills it: ``--jobs``
+job names with ``--runs`` runs each (succeeded, failed, lost, skipped, spread over the
+last days), a schedule claim with a cron expression for every fifth job, a declared
+``JOBS`` entry for every tenth, and 50 locks held. Then, per round:
+
+* ``floor``: bare psycopg runs the health statement (``sql.JOB_HEALTH``) and fetches it;
+* ``job_health()``: the whole answer, as the command, the view and the metrics get it
+  (the statement, the abandoned check of advisory holders, the states and next due
+  starts in Python), without announcing episodes;
+
+and prints the median time of each, its ratio to the floor, the statements one call
+sends, and the plan's total time with the indexes it used. The database is dropped at
+the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks.bench_cycle import configure_django  # noqa: E402
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=1000, help="job names (1000)")
+    parser.add_argument("--runs", type=int, default=100, help="history rows per job (100)")
+    parser.add_argument("--rounds", type=int, default=15, help="measured rounds (15)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    if min(args.jobs, args.runs, args.rounds) < 1:
+        parser.error("--jobs, --runs and --rounds must be at least 1")
+    return args
+
+
+FILL = """
+INSERT INTO django_pglock_jobrun (name, token, holder, host, pid, description, started_at,
+    finished_at, duration, outcome, reason)
+SELECT 'job-' || j, NULL, 'bench', 'host', 1, '',
+       now() - (r * interval '37 minutes') - (j * interval '1 second'),
+       now() - (r * interval '37 minutes') - (j * interval '1 second') + interval '3 seconds',
+       3.0,
+       CASE WHEN r %% 10 = 3 THEN 'failed' WHEN r %% 50 = 7 THEN 'lost'
+            WHEN r %% 4 = 1 THEN 'skipped' ELSE 'succeeded' END,
+       CASE WHEN r %% 4 = 1 AND r %% 10 <> 3 AND r %% 50 <> 7 THEN 'held' END
+FROM generate_series(1, %(jobs)s) AS j, generate_series(1, %(runs)s) AS r
+"""
+CLAIMS = """
+INSERT INTO django_pglock_scheduleclaim (name, slot, holder, claimed_at, schedule)
+SELECT 'job-' || j, date_trunc('hour', now()), 'bench', now(), '0 * * * *'
+FROM generate_series(1, %(jobs)s, 5) AS j
+"""
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    import psycopg
+    import psycopg.sql
+
+    from tests.pgserver import ensure_database_url
+
+    url = ensure_database_url()
+    dbname = f"pglock_health_{os.getpid()}"
+    admin = psycopg.connect(url, autocommit=True)
+    admin.execute(psycopg.sql.SQL("CREATE DATABASE {}").format(psycopg.sql.Identifier(dbname)))
+    try:
+        report = run(args, url, dbname)
+    finally:
+        from django.db import connections
+
+        connections.close_all()
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+            [dbname],
+        )
+        admin.execute(
+            psycopg.sql.SQL("DROP DATABASE IF EXISTS {}").format(psycopg.sql.Identifier(dbname))
+        )
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    return 0
+
+
+def run(args: argparse.Namespace, url: str, dbname: str) -> dict[str, Any]:
+    import psycopg
+    from django.conf import settings
+    from django.core.management import call_command
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext, override_settings
+
+    from django_pglock import Lock, sql
+    from django_pglock.health import job_health
+
+    configure_django(url, dbname)
+    call_command("migrate", verbosity=0)
+    floor = psycopg.connect(url, dbname=dbname, autocommit=True)
+    params = {"jobs": args.jobs, "runs": args.runs}
+    floor.execute(FILL, params)
+    floor.execute(CLAIMS, params)
+    floor.execute("ANALYZE")
+    held = [Lock(f"job-{j}").try_acquire() for j in range(1, 51)]
+    declared = {f"job-{j}": {"every": "1h", "max_duration": "1h"} for j in range(1, args.jobs, 10)}
+    config = {**getattr(settings, "DJANGO_PGLOCK", {}), "JOBS": declared}
+    floor_params = {"declared": list(declared)}
+    times: dict[str, list[float]] = {"floor": [], "job_health": []}
+    with override_settings(DJANGO_PGLOCK=config):
+        job_health(announce=False)  # warm-up: plans, cronsim, connections
+        for _ in range(args.rounds):
+            started = time.perf_counter()
+            rows = floor.execute(sql.JOB_HEALTH, floor_params).fetchall()
+            times["floor"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            jobs = job_health(announce=False)
+            times["job_health"].append(time.perf_counter() - started)
+        with CaptureQueriesContext(connection) as queries:
+            job_health(announce=False)
+        plan = floor.execute(
+            "EXPLAIN (ANALYZE, FORMAT JSON) " + sql.JOB_HEALTH, floor_params
+        ).fetchone()[0][0]
+    for lease in held:
+        if lease is not None:
+            lease.release()
+    floor.close()
+    states: dict[str, int] = {}
+    for job in jobs:
+        states[job.state] = states.get(job.state, 0) + 1
+    floor_ms = statistics.median(times["floor"]) * 1000
+    ours_ms = statistics.median(times["job_health"]) * 1000
+    return {
+        "jobs": len(jobs),
+        "rows_in_history": args.jobs * args.runs,
+        "statement_rows": len(rows),
+        "rounds": args.rounds,
+        "floor_ms": round(floor_ms, 2),
+        "job_health_ms": round(ours_ms, 2),
+        "ratio": round(ours_ms / floor_ms, 2),
+        "statements_per_call": len(queries.captured_queries),
+        "plan_execution_ms": plan.get("Execution Time"),
+        "indexes": sorted(_indexes(plan["Plan"])),
+        "states": states,
+    }
+
+
+def _indexes(node: dict[str, Any]) -> set[str]:
+    found = {node["Index Name"]} if "Index Name" in node else set()
+    for child in node.get("Plans", []):
+        found |= _indexes(child)
+    return found
+
+
+def print_report(report: dict[str, Any]) -> None:
+    print(
+        f"Job health: {report['jobs']} jobs, {report['rows_in_history']:,} history rows, "
+        f"median of {report['rounds']} rounds"
+    )
+    print(f"  floor (bare psycopg, the health statement): {report['floor_ms']:8.2f} ms")
+    print(
+        f"  job_health()                              : {report['job_health_ms']:8.2f} ms"
+        f"  ({report['ratio']:.2f}x the floor)"
+    )
+    print(f"  statements per call: {report['statements_per_call']}")
+    print(f"  plan execution (EXPLAIN ANALYZE): {report['plan_execution_ms']:.2f} ms")
+    print(f"  indexes used: {', '.join(report['indexes'])}")
+    print(f"  states: {report['states']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
