@@ -52,8 +52,8 @@ class JobHealth:
     last_finished_at: datetime.datetime | None = None
     last_duration: float | None = None
     last_host: str | None = None
-    last_success_at: datetime.datetime | None = None
-    last_failure_at: datetime.datetime | None = None
+    last_success_at: datetime.datetime | None = None  # when it finished (else started)
+    last_failure_at: datetime.datetime | None = None  # the same, for failed or lost
     next_due: datetime.datetime | None = None
     due: datetime.datetime | None = None  # the latest start that should have happened
     holder: dict[str, Any] | None = None
@@ -149,11 +149,11 @@ def _due(
 
 def _judge(spec: JobSpec, row: tuple[Any, ...], abandoned: set[tuple[str, int]]) -> JobHealth:
     (name, now, outcome, started, finished, duration, host, ok_started, ok_finished) = row[:9]
-    (bad_started, _, claim_slot, _, token, holder_host, holder_pid, acquired_at) = row[9:17]
+    (bad_at, _, claim_slot, _, token, holder_host, holder_pid, acquired_at) = row[9:17]
     held_for, lock_state, _, episodes = row[17:]
     now, started, finished, acquired_at = _at(now), _at(started), _at(finished), _at(acquired_at)
-    ok_started, ok_finished, bad_started, claim_slot = map(
-        _at, (ok_started, ok_finished, bad_started, claim_slot)
+    ok_started, ok_finished, bad_at, claim_slot = map(
+        _at, (ok_started, ok_finished, bad_at, claim_slot)
     )
     assert now is not None
     last_start = max((t for t in (started, claim_slot) if t is not None), default=None)
@@ -197,7 +197,7 @@ def _judge(spec: JobSpec, row: tuple[Any, ...], abandoned: set[tuple[str, int]])
         last_duration=duration,
         last_host=host,
         last_success_at=ok_finished or ok_started,
-        last_failure_at=bad_started,
+        last_failure_at=bad_at,
         next_due=next_due,
         due=due,
         holder=holder,

@@ -46,7 +46,7 @@ SELECT j.name, {_EPOCH.format("now()")},
        last.outcome, {_EPOCH.format("last.started_at")}, {_EPOCH.format("last.finished_at")},
        last.duration, last.host,
        {_EPOCH.format("ok.started_at")}, {_EPOCH.format("ok.finished_at")},
-       {_EPOCH.format("bad.started_at")}, bad.outcome,
+       {_EPOCH.format("bad.at")}, bad.outcome,
        {_EPOCH.format("claim.slot")}, claim.schedule,
        held.token, held.host, held.pid, {_EPOCH.format("held.acquired_at")},
        extract(epoch FROM now() - held.acquired_at)::float8,
@@ -68,7 +68,7 @@ LEFT JOIN LATERAL (
     WHERE r.name = j.name AND r.outcome = 'succeeded' ORDER BY r.started_at DESC LIMIT 1
 ) ok ON true
 LEFT JOIN LATERAL (
-    SELECT r.started_at, r.outcome FROM {_RUNS} r
+    SELECT coalesce(r.finished_at, r.started_at) AS at, r.outcome FROM {_RUNS} r
     WHERE r.name = j.name AND r.outcome IN ('failed', 'lost') ORDER BY r.started_at DESC LIMIT 1
 ) bad ON true
 LEFT JOIN claim ON claim.name = j.name
