@@ -70,10 +70,13 @@ if HealthCheck is not None:
             if message:
                 raise ServiceUnavailable(message)
 
-else:  # pragma: no cover - exercised where Django 4.2 installs django-health-check 3
-    from health_check.backends import BaseHealthCheckBackend
+else:  # django-health-check 3 (what Django 4.2 installs)
+    try:  # 3.20 and later
+        from health_check.backends import HealthCheck as _Backend
+    except ImportError:  # pragma: no cover - earlier 3.x
+        from health_check.backends import BaseHealthCheckBackend as _Backend
 
-    class JobHealthBackend(BaseHealthCheckBackend):  # type: ignore[misc]
+    class JobHealthBackend(_Backend):  # type: ignore[misc]
         """Job health as a django-health-check 3 backend."""
 
         critical_service = True
@@ -83,7 +86,7 @@ else:  # pragma: no cover - exercised where Django 4.2 installs django-health-ch
             if message:
                 self.add_error(ServiceUnavailable(message))
 
-        def identifier(self) -> str:
+        def __repr__(self) -> str:
             return "JobHealth"
 
     JobHealthCheck = JobHealthBackend  # type: ignore[misc]
