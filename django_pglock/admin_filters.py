@@ -23,6 +23,11 @@ class OfferedValueFilter(admin.SimpleListFilter):
     """A filter on ``field`` whose value must be one of its ``lookups``."""
 
     field = ""
+    #: The (value, label) pairs offered, unless ``lookups`` is overridden.
+    offered_choices: list[tuple[str, str]] = []
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [(str(value), str(label)) for value, label in self.offered_choices]
 
     def value(self) -> str | None:
         """The value asked for, if the filter offers it; ``None`` (no filter) otherwise."""
@@ -60,8 +65,7 @@ class OutcomeFilter(OfferedValueFilter):
     parameter_name = "outcome"
     field = "outcome"
 
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [(str(value), str(label)) for value, label in JobRun.Outcome.choices]
+    offered_choices = JobRun.Outcome.choices
 
 
 class ReasonFilter(OfferedValueFilter):
@@ -71,8 +75,7 @@ class ReasonFilter(OfferedValueFilter):
     parameter_name = "reason"
     field = "reason"
 
-    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
-        return [(str(value), str(label)) for value, label in JobRun.Reason.choices]
+    offered_choices = JobRun.Reason.choices
 
 
 class JobNameFilter(OfferedValueFilter):

@@ -77,25 +77,14 @@ def parse_duration(label: str, value: object) -> float:
 
 
 def _check_schedule(label: str, value: object) -> str:
+    from django.core.exceptions import ImproperlyConfigured
+
+    from .schedule import check_cron
+
     try:
-        import cronsim
-    except ImportError:
-        raise ValueError(
-            f"{label} needs the cronsim package to read cron expressions; install "
-            "django-singleton-jobs[schedule]."
-        ) from None
-    if not isinstance(value, str):
-        raise ValueError(
-            f"{label}={value!r} is not a cron expression; use a string such as '0 3 * * *'."
-        )
-    try:
-        cronsim.CronSim(value, datetime.datetime(2000, 1, 1))
-    except cronsim.CronSimError as exc:
-        raise ValueError(
-            f"{label}={value!r} is not a valid cron expression ({exc}); use five fields, for "
-            "example '0 3 * * *' for 03:00 every day."
-        ) from None
-    return value
+        return check_cron(label, value)
+    except ImproperlyConfigured as exc:  # cronsim is missing: reported like any bad entry
+        raise ValueError(f"{label}: {exc}") from None
 
 
 def _parse_job(name: object, entry: object) -> JobSpec:

@@ -22,7 +22,7 @@ from .conf import get_setting, schedule_tolerance
 from .connection import get_connection, validate_alias
 from .identity import current
 
-__all__ = ["ScheduleSlot"]
+__all__ = ["ScheduleSlot", "check_cron"]
 
 logger = logging.getLogger("django_pglock")
 
@@ -48,6 +48,24 @@ def _later(local: datetime.datetime, zone: datetime.tzinfo, seconds: int = 1) ->
     return (utc + seconds * _SECOND).astimezone(zone)
 
 
+def check_cron(label: str, value: object) -> str:
+    """``value`` if it is a cron expression, else ``ValueError`` naming ``label`` and the
+    fix (``ImproperlyConfigured`` when cronsim is not installed)."""
+    cronsim = _cronsim()
+    if not isinstance(value, str):
+        raise ValueError(
+            f"{label}={value!r} must be a cron expression string, such as '0 3 * * *'."
+        )
+    try:  # a fixed date: validating must not need settings
+        cronsim.CronSim(value, datetime.datetime(2000, 1, 1))
+    except cronsim.CronSimError as exc:
+        raise ValueError(
+            f"{label}={value!r} is not a valid cron expression ({exc}); use five fields, for "
+            "example '0 3 * * *' for 03:00 every day."
+        ) from None
+    return value
+
+
 class ScheduleSlot:
     """The current slot of a cron ``expression`` for the job ``name``.
 
@@ -59,17 +77,7 @@ class ScheduleSlot:
     """
 
     def __init__(self, expression: str, name: str, using: str | None = None) -> None:
-        cronsim = _cronsim()
-        if not isinstance(expression, str):
-            raise ValueError(f"schedule={expression!r} must be a cron expression string.")
-        try:  # a fixed date: validating must not need settings
-            cronsim.CronSim(expression, datetime.datetime(2000, 1, 1))
-        except cronsim.CronSimError as exc:
-            raise ValueError(
-                f"schedule={expression!r} is not a valid cron expression ({exc}); use five "
-                "fields, for example '0 3 * * *' for 03:00 every day."
-            ) from None
-        self.expression = expression
+        self.expression = check_cron("schedule", expression)
         self.name = name
         self.using = using
         self.slot: datetime.datetime | None = None

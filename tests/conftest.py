@@ -48,6 +48,16 @@ def test_db_name(django_db_setup):
 
 
 @pytest.fixture
+def db(pg_url, test_db_name):
+    """An autocommit session on the test database of its own: what another process sees.
+    (The fault and failover suites define their own ``db``, on their own servers.)"""
+    from tests.subprocs import open_db
+
+    with open_db(pg_url, test_db_name) as conn:
+        yield conn
+
+
+@pytest.fixture
 def child_env(test_db_name):
     """Environment for worker processes: same server, same test database, same code."""
     env = os.environ.copy()

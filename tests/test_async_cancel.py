@@ -13,15 +13,9 @@ import pytest
 
 from django_pglock import Lock, signals
 from django_pglock.aio import _Handoff
-from tests.subprocs import open_db, wait_until
+from tests.subprocs import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("clean_locks")]
-
-
-@pytest.fixture
-def db(pg_url, test_db_name):
-    with open_db(pg_url, test_db_name) as conn:
-        yield conn
 
 
 def unique(label):

@@ -10,16 +10,10 @@ import pytest
 
 from django_pglock import Lock
 from django_pglock.operations import force_release
-from tests.subprocs import key_free, open_db, wait_until
+from tests.subprocs import key_free, wait_until
 
 TABLE = "django_pglock_joblock"
 LONG = {"heartbeat_interval": 20, "alert_after": 40, "stale_after": 60}
-
-
-@pytest.fixture
-def db(pg_url, test_db_name):
-    with open_db(pg_url, test_db_name) as conn:
-        yield conn
 
 
 def unique(label):

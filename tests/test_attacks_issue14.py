@@ -16,15 +16,9 @@ from django.test import override_settings
 
 from django_pglock import Lock, signals
 from django_pglock.health import job_health
-from tests.subprocs import Received, open_db
+from tests.subprocs import Received
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("clean_locks")]
-
-
-@pytest.fixture
-def db(pg_url, test_db_name):
-    with open_db(pg_url, test_db_name) as conn:
-        yield conn
 
 
 def unique(label):

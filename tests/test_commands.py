@@ -23,7 +23,6 @@ from django_pglock import Lock, LockNotHeld, signals
 from django_pglock.operations import force_release
 from tests.subprocs import (
     Received,
-    open_db,
     pid_gone,
     wait_for_early_in_minute,
     wait_for_file,
@@ -38,12 +37,6 @@ EXIT_LOST = 75
 # during the test, so the aged row stays as the test made it.
 QUIET = {"heartbeat_interval": 100.0, "alert_after": 200.0, "stale_after": 3000.0}
 STATUS_FIELDS = {"name", "token", "holder", "host", "pid", "heartbeat_age", "state"}
-
-
-@pytest.fixture
-def db(pg_url, test_db_name):
-    with open_db(pg_url, test_db_name) as conn:
-        yield conn
 
 
 def unique(label):

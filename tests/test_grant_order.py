@@ -26,19 +26,13 @@ import pytest
 from django_pglock import Lock, LockError
 from django_pglock.sql import advisory_key
 from django_pglock.states import State
-from tests.subprocs import key_free, open_db, wait_until
+from tests.subprocs import key_free, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("clean_locks")]
 
 TABLE = "django_pglock_joblock"
 PAUSE = "pglock-test-pause-insert"  # description of the acquire the trigger holds
 HOLD_KEY = 0x7E57_0001  # the bigint advisory key the test holds while the insert waits
-
-
-@pytest.fixture
-def db(pg_url, test_db_name):
-    with open_db(pg_url, test_db_name) as conn:
-        yield conn
 
 
 def unique(label):

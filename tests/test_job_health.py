@@ -21,15 +21,9 @@ from django.test import override_settings
 from django_pglock import Lock, signals
 from django_pglock.health import job_health
 from django_pglock.jobspec import parse_duration, parse_jobs
-from tests.subprocs import open_db, pid_gone, wait_until
+from tests.subprocs import pid_gone, wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("clean_locks")]
-
-
-@pytest.fixture
-def db(pg_url, test_db_name):
-    with open_db(pg_url, test_db_name) as conn:
-        yield conn
 
 
 def unique(label):

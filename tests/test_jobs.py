@@ -49,12 +49,6 @@ print(json.dumps(func(*args)))
 """
 
 
-@pytest.fixture
-def db(pg_url, test_db_name):
-    with open_db(pg_url, test_db_name) as conn:
-        yield conn
-
-
 def lock_row(db, name):
     return db.execute(
         "SELECT token, holder, pid FROM django_pglock_joblock WHERE name = %s", [name]

@@ -25,18 +25,11 @@ from django.utils import timezone
 
 from django_pglock import InheritedLease, Lease, Lock, current_lease, singleton_job
 from django_pglock.inherit import parent_grant
-from tests.subprocs import open_db
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("clean_locks")]
 
 YEARLY = "0 0 1 1 *"  # its current slot is this year's 1 January, last year's is a tick too
 ELSEWHERE = "elsewhere:1:cafe"
-
-
-@pytest.fixture
-def db(pg_url, test_db_name):
-    with open_db(pg_url, test_db_name) as conn:
-        yield conn
 
 
 def unique(label):

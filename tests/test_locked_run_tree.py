@@ -26,7 +26,7 @@ import pytest
 
 from django_pglock.operations import force_release
 from tests import faultkit
-from tests.subprocs import open_db, wait_for_file, wait_until
+from tests.subprocs import wait_for_file, wait_until
 from tests.tree_job import read_pids, running
 
 pytestmark = [
@@ -40,12 +40,6 @@ JOB = str(Path(__file__).with_name("tree_job.py"))
 # Small thresholds: heartbeat 0.2 s, alert 0.6 s, stale 3 s (safety margin 0.2 s).
 SMALL = ("--heartbeat-interval", "0.2", "--alert-after", "0.6", "--stale-after", "3")
 WAITER = ("--wait", "--poll-interval", "0.05")
-
-
-@pytest.fixture
-def db(pg_url, test_db_name):
-    with open_db(pg_url, test_db_name) as conn:
-        yield conn
 
 
 def unique(label):

@@ -53,23 +53,22 @@ class Command(BaseCommand):
             self.stdout.write("No locks are held.")
         else:
             header = ("NAME", "STATE", "HEARTBEAT AGE", "HOLDER", "ACQUIRED", "TOKEN", "RUNS")
-            table = [header] + [
-                (
-                    row.name,
-                    row.state.upper() if row.state != "ok" else "ok",
-                    f"{row.heartbeat_age:.1f}s",
-                    f"{row.host}:{row.pid}",
-                    row.acquired_at.isoformat(timespec="seconds"),
-                    str(row.token),
-                    row.description[:60],
-                )
-                for row in rows
-            ]
-            widths = [max(len(line[i]) for line in table) for i in range(len(header))]
-            for line in table:
-                self.stdout.write(
-                    "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
-                )
+            _write_table(
+                self,
+                header,
+                [
+                    (
+                        row.name,
+                        row.state.upper() if row.state != "ok" else "ok",
+                        f"{row.heartbeat_age:.1f}s",
+                        f"{row.host}:{row.pid}",
+                        row.acquired_at.isoformat(timespec="seconds"),
+                        str(row.token),
+                        row.description[:60],
+                    )
+                    for row in rows
+                ],
+            )
             if any(row.state == "abandoned" for row in rows):
                 self.stdout.write(
                     "ABANDONED: the holder's session has ended (its process died or lost the "
@@ -113,24 +112,43 @@ def _when(value: Any) -> str:
     return "-" if value is None else value.isoformat(timespec="seconds")
 
 
-def _table(command: BaseCommand, jobs: list[JobHealth]) -> None:
-    header = ("JOB", "STATE", "LAST RUN", "LAST SUCCESS", "NEXT DUE", "HOLDER")
-    table = [header] + [
-        (
-            job.name,
-            job.state if job.state in ("healthy", "running") else job.state.upper(),
-            "-" if job.last_outcome is None else f"{job.last_outcome} {_when(job.last_started_at)}",
-            _when(job.last_success_at),
-            _when(job.next_due),
-            "-" if job.holder is None else f"{job.holder['host']}:{job.holder['pid']}",
-        )
-        for job in jobs
-    ]
+def _last_run(job: JobHealth) -> str:
+    if job.last_outcome is None:
+        return "-"
+    return f"{job.last_outcome} {_when(job.last_started_at)}"
+
+
+def _write_table(
+    command: BaseCommand, header: tuple[str, ...], rows: list[tuple[str, ...]]
+) -> None:
+    """Columns padded to their widest cell."""
+    table = [header, *rows]
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     for line in table:
         command.stdout.write(
             "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
         )
+
+
+def _table(command: BaseCommand, jobs: list[JobHealth]) -> None:
+    header = ("JOB", "STATE", "LAST RUN", "LAST SUCCESS", "NEXT DUE", "HOLDER")
+    _write_table(
+        command,
+        header,
+        [
+            (
+                job.name,
+                job.state if job.state in ("healthy", "running") else job.state.upper(),
+                "-"
+                if job.last_outcome is None
+                else f"{job.last_outcome} {_when(job.last_started_at)}",
+                _when(job.last_success_at),
+                _when(job.next_due),
+                "-" if job.holder is None else f"{job.holder['host']}:{job.holder['pid']}",
+            )
+            for job in jobs
+        ],
+    )
     for job in jobs:
         if job.problem:
             command.stdout.write(f"{job.state.upper()}: {job.name}: {job.detail}")
