@@ -22,7 +22,6 @@ from __future__ import annotations
 import datetime
 import re
 from dataclasses import dataclass
-from typing import Any
 
 from .conf import MAX_SECONDS, generation, get_setting, setting_label
 
@@ -152,14 +151,3 @@ def declared_jobs() -> dict[str, JobSpec]:
     if _declared[0] != now:
         _declared = (now, parse_jobs(get_setting("JOBS"))[0])
     return _declared[1]
-
-
-def describe(spec: JobSpec) -> dict[str, Any]:
-    """A job's promises as JSON-ready values."""
-    return {
-        "schedule": spec.schedule,
-        "every": spec.every,
-        "grace": spec.grace,
-        "max_duration": spec.max_duration,
-        "declared": spec.declared,
-    }
