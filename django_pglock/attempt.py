@@ -17,7 +17,7 @@ from .connection import LockConnection, get_connection
 from .events import call_metrics, send
 from .exceptions import DatabaseUnavailable, LockError
 from .identity import current
-from .keys import key_shared
+from .keys import key_shared, keys_held
 from .lease import Lease
 from .states import Key
 
@@ -31,6 +31,7 @@ class AttemptMixin:
     """The attempt half of :class:`~django_pglock.lock.Lock`."""
 
     name: str
+    limit: int
     record: bool
     _cached_params: tuple[tuple[Any, ...], dict[str, Any]] | None
 
@@ -65,6 +66,10 @@ class AttemptMixin:
             "advisory": advisory,
             "key": resolved.key,
         }
+        if self.limit > 1:  # a semaphore: its slots' rows and keys (sql.semaphore)
+            rows = [sql.slot_row(self.name, slot) for slot in range(1, self.limit + 1)]
+            params.update(rows=rows, keys=[sql.advisory_key(row) for row in rows])
+            params["limit"] = self.limit
         self._cached_params = (key, params)
         return params
 
@@ -100,9 +105,13 @@ class AttemptMixin:
             if rows and rows[0][0] is not None:
                 self._lease(rows[0], conn, resolved, params, sent, use_advisory)._abandon()
             elif alive and use_advisory:
-                self._drop_stray_key(conn, resolved.key)
+                self._drop_stray_key(conn, resolved.key, params)
 
-        statement = sql.ACQUIRE_RECORDED if self.record else sql.ACQUIRE
+        semaphore = self.limit > 1
+        if semaphore:
+            statement = sql.SEMAPHORE_RECORDED if self.record else sql.SEMAPHORE
+        else:
+            statement = sql.ACQUIRE_RECORDED if self.record else sql.ACQUIRE
         lease = None
         # The grant is registered before the connection is let go, so the heartbeat
         # thread's sweep for orphaned rows never takes a grant being handed over.
@@ -116,9 +125,20 @@ class AttemptMixin:
                 # A lease of this process may hold the key already (its row deleted by a
                 # forced release it has not noticed): then the statement looks, and never
                 # takes the key twice.
-                kept = use_advisory and key_shared(conn, resolved.key)
-                sent_params = {**params, "maybe_held": kept}
+                if semaphore:
+                    # The slots whose keys leases of this process hold are skipped.
+                    held = sorted(keys_held(conn)) if use_advisory else []
+                    sent_params = {**params, "held": held}
+                else:
+                    kept = use_advisory and key_shared(conn, resolved.key)
+                    sent_params = {**params, "maybe_held": kept}
                 rows = conn.execute(statement, sent_params, after_failure=failed, deadline=deadline)
+                if semaphore and rows[0][0] is None and rows[0][17]:
+                    # The slot chosen from the snapshot was granted meanwhile (see
+                    # sql.semaphore): once more, with a new snapshot.
+                    rows = conn.execute(
+                        statement, sent_params, after_failure=failed, deadline=deadline
+                    )
                 if rows[0][0] is not None:
                     lease = self._lease(rows[0], conn, resolved, params, sent, use_advisory)
             finally:
@@ -134,16 +154,22 @@ class AttemptMixin:
                 heartbeat.registry().sweep_soon(conn.alias)
             raise
 
-    def _drop_stray_key(self, conn: LockConnection, key: int) -> None:
+    def _drop_stray_key(self, conn: LockConnection, key: int, params: dict[str, Any]) -> None:
         """A failed or interrupted attempt may have taken the key before it ended (a
         session-level lock outlives the rolled-back statement): give it back, unless a
         lease of this process holds it on this session (then the attempt never took it).
-        Runs while the statement's caller still holds the connection."""
-        if not conn.is_open() or key_shared(conn, key):
-            return  # the key went with the session, or a lease of this process holds it
+        A semaphore's attempt may have taken any of its slots' keys. Runs while the
+        statement's caller still holds the connection."""
+        if not conn.is_open():
+            return  # the keys went with the session
         with contextlib.suppress(LockError):
-            params = {"key": key, "name": self.name, "token": None}
-            conn.execute(sql.UNLOCK, params, session=conn.generation)
+            if self.limit > 1:
+                unlock = {"rows": params["rows"], "keys": params["keys"]}
+                unlock["held"] = sorted(keys_held(conn))
+                conn.execute(sql.UNLOCK_STRAY_SLOTS, unlock, session=conn.generation)
+            elif not key_shared(conn, key):  # else a lease of this process holds it
+                unlock = {"key": key, "name": self.name, "token": None}
+                conn.execute(sql.UNLOCK, unlock, session=conn.generation)
 
     def _lease(
         self,
@@ -155,6 +181,10 @@ class AttemptMixin:
         use_advisory: bool,
     ) -> Lease:
         token, acquired_at, advisory = row[0], row[1], bool(row[2])
+        slot, row_name, key = 1, self.name, resolved.key
+        if self.limit > 1:
+            slot, row_name = int(row[15]), row[16]
+            key = params["keys"][slot - 1]
         lease = Lease(
             self,  # type: ignore[arg-type]
             conn,
@@ -165,7 +195,9 @@ class AttemptMixin:
             resolved.thresholds,
             row[14],
             holder=params["holder"],
-            key=resolved.key,
+            key=key,
+            slot=slot,
+            row=row_name,
         )
         if use_advisory and not advisory:
             # The key was busy (a concurrent contender's statement held it): take it later.

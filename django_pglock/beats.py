@@ -43,7 +43,7 @@ def beat(conn: LockConnection, leases: list[Lease]) -> None:
     sent = time.monotonic()
     rows = conn.execute(
         sql.HEARTBEAT,
-        {"names": [lease.name for lease in leases], "tokens": [lease.token for lease in leases]},
+        {"names": [lease._row for lease in leases], "tokens": [lease.token for lease in leases]},
         session=session,
     )
     latency = time.monotonic() - sent

@@ -19,7 +19,7 @@ from .states import Key
 if TYPE_CHECKING:
     from .connection import LockConnection
 
-__all__ = ["FIRST_KEY_RETRY", "LAST_KEY_RETRY", "KeyMixin", "key_shared"]
+__all__ = ["FIRST_KEY_RETRY", "LAST_KEY_RETRY", "KeyMixin", "key_shared", "keys_held"]
 
 
 #: How soon a lease granted without its advisory key tries to take it again (doubling up
@@ -49,12 +49,26 @@ def key_shared(conn: LockConnection, key: int, exclude: object = None) -> bool:
     )
 
 
+def keys_held(conn: LockConnection) -> set[int]:
+    """The advisory keys leases of this process hold on the current session of ``conn``
+    (:func:`key_shared` for every key at once). Call while holding ``conn.lock``."""
+    from . import heartbeat
+
+    generation = conn.generation
+    return {
+        lease._key
+        for lease in heartbeat.registry().leases(conn.alias)
+        if lease._key_state is Key.HELD and lease._generation == generation
+    }
+
+
 class KeyMixin:
     """The key half of a :class:`~django_pglock.lease.Lease`."""
 
     name: str
     token: int
     advisory: bool
+    _row: str
     heartbeat_interval: float
     _key: int
     _key_state: Key
@@ -98,7 +112,7 @@ class KeyMixin:
             if key_shared(self._conn, self._key, exclude=self):
                 return
             with contextlib.suppress(LockError):
-                params = {"key": self._key, "name": self.name, "token": self.token}
+                params = {"key": self._key, "name": self._row, "token": self.token}
                 self._conn.execute(sql.UNLOCK, params, session=self._generation)
 
     def _adopted_on_ended_session(self, conn: LockConnection) -> bool:
@@ -109,7 +123,7 @@ class KeyMixin:
         advisory, or when that cannot be read: then a contender may take over at once.
         """
         try:
-            rows = conn.execute(sql.ADOPTED, {"name": self.name, "token": self.token})
+            rows = conn.execute(sql.ADOPTED, {"name": self._row, "token": self.token})
         except LockError:
             return True
         return bool(rows and rows[0][0])
@@ -141,7 +155,7 @@ class KeyMixin:
                 with conn.lock:
                     rows = conn.execute(
                         sql.ADOPT_KEY,
-                        {"name": self.name, "token": self.token, "key": self._key},
+                        {"name": self._row, "token": self.token, "key": self._key},
                         session=self._generation,
                         after_failure=failed,
                     )
@@ -165,5 +179,5 @@ class KeyMixin:
                 raise
         # Lost while the key was being taken: nobody else will give it back.
         with contextlib.suppress(LockError):
-            params = {"key": self._key, "name": self.name, "token": self.token}
+            params = {"key": self._key, "name": self._row, "token": self.token}
             conn.execute(sql.UNLOCK, params, session=generation)

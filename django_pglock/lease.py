@@ -72,7 +72,8 @@ class Lease(LivenessMixin, KeyMixin, ReleaseMixin):
 
     Attributes: ``name``, ``token`` (the fencing token of this grant), ``holder`` (this
     process's holder id), ``acquired_at`` (database time), ``using`` (database alias),
-    ``state`` (a :class:`State`). A lease is also a context manager: leaving it releases
+    ``state`` (a :class:`State`), ``slot`` (1..``limit``: which of a semaphore's slots
+    this grant holds; 1 for a plain lock) and ``limit`` (the lock's ``limit``). A lease is also a context manager: leaving it releases
     the lock, and raises :class:`LockNotHeld` if the lease was lost while the block ran
     without error.
     """
@@ -102,8 +103,15 @@ class Lease(LivenessMixin, KeyMixin, ReleaseMixin):
         *,
         holder: str,
         key: int,
+        slot: int = 1,
+        row: str | None = None,
     ) -> None:
         self.name = lock.name
+        self.slot = slot
+        self.limit = lock.limit
+        # The row this grant owns: the name, or the slot's (sql.slot_row). Every
+        # statement about this grant names the row.
+        self._row = lock.name if row is None else row
         self.token = token
         self.holder = holder
         self.acquired_at = acquired_at
@@ -131,7 +139,8 @@ class Lease(LivenessMixin, KeyMixin, ReleaseMixin):
             self._set_key(Key.HELD)
 
     def __repr__(self) -> str:
-        return f"<Lease {self.name!r} token={self.token} {self.state.value}>"
+        slot = f" slot={self.slot}/{self.limit}" if self.limit > 1 or self.slot > 1 else ""
+        return f"<Lease {self.name!r}{slot} token={self.token} {self.state.value}>"
 
     # -- the one place where the state changes ----------------------------------------
 
@@ -149,8 +158,8 @@ class Lease(LivenessMixin, KeyMixin, ReleaseMixin):
             self.state = to
             if reason is not None and self._lost_reason is None:
                 self._lost_reason = reason
-        if _owned.get((self.using, self.name)) is self:
-            _owned.pop((self.using, self.name), None)  # no thread holds it any longer
+        if _owned.get((self.using, self._row)) is self:
+            _owned.pop((self.using, self._row), None)  # no thread holds it any longer
         if to is State.RELEASED:
             _unreleased.pop(self.token, None)
         return True
@@ -158,7 +167,7 @@ class Lease(LivenessMixin, KeyMixin, ReleaseMixin):
     def _own(self) -> None:
         """Record the calling thread as this lease's holder (sync acquires only)."""
         self._owner = threading.current_thread()
-        _owned[(self.using, self.name)] = self
+        _owned[(self.using, self._row)] = self
 
     # -- public API -------------------------------------------------------------------
 
@@ -174,7 +183,7 @@ class Lease(LivenessMixin, KeyMixin, ReleaseMixin):
     def check(self) -> None:
         """Raise :class:`LockNotHeld` unless the lease is held, asking the database."""
         self._require_held()
-        rows = self._conn.execute(sql.CHECK, {"name": self.name, "token": self.token})
+        rows = self._conn.execute(sql.CHECK, {"name": self._row, "token": self.token})
         self._check_session(self._conn)
         if not rows[0][0]:
             self._mark_lost("its row is gone or belongs to another holder", row_gone=True)
@@ -197,7 +206,7 @@ class Lease(LivenessMixin, KeyMixin, ReleaseMixin):
             )
         self._guarded = True
         with connection.cursor() as cursor:
-            cursor.execute(sql.GUARD, {"name": self.name, "token": self.token})
+            cursor.execute(sql.GUARD, {"name": self._row, "token": self.token})
             row = cursor.fetchone()
         if row is None:
             self._mark_lost("its row is gone or belongs to another holder", row_gone=True)

@@ -39,6 +39,7 @@ class LivenessMixin:
     name: str
     token: int
     holder: str
+    _row: str
     state: State
     alert_after: float
     stale_after: float
@@ -149,7 +150,7 @@ class LivenessMixin:
 
     def _recheck_lost(self) -> None:
         """For a lease lost by its deadline: once its row is gone, give the key back."""
-        rows = self._conn.execute(sql.CHECK, {"name": self.name, "token": self.token})
+        rows = self._conn.execute(sql.CHECK, {"name": self._row, "token": self.token})
         if not rows[0][0] or self._key_state is not Key.HELD:
             self._give_back_key()
             heartbeat.registry().discard(self)  # type: ignore[arg-type]

@@ -29,7 +29,7 @@ from .events import call_metrics, configured_metrics, send
 from .exceptions import DatabaseUnavailable, LockNotAcquired
 from .identity import default_description
 from .lease import Lease, held_by_this_thread
-from .options import Option, Resolved, validate_description, validate_name
+from .options import Option, Resolved, validate_description, validate_limit, validate_name
 from .waiting import Waiter
 
 __all__ = ["Lease", "Lock", "validate_name"]
@@ -44,6 +44,10 @@ class Lock(AttemptMixin):
     ``None`` come from the ``DJANGO_PGLOCK`` setting at acquire time. Bad names and
     thresholds raise ``ValueError`` here; an unknown or non-PostgreSQL database alias
     raises ``ImproperlyConfigured``.
+
+    ``limit=N`` makes it a semaphore: at most N holders at once, each in one of the
+    slots 1..N with its own fencing token, heartbeat and takeover (see README,
+    "Semaphores"). ``Lock(name)`` is ``Lock(name, limit=1)``: slot 1 of the name.
     """
 
     def __init__(
@@ -59,8 +63,10 @@ class Lock(AttemptMixin):
         metrics: Any = None,
         description: str | None = None,
         record: bool = False,
+        limit: int = 1,
     ) -> None:
         self.name = validate_name(name)
+        self.limit = validate_limit(limit, self.name)
         for label, value in (
             ("heartbeat_interval", heartbeat_interval),
             ("alert_after", alert_after),
@@ -97,7 +103,7 @@ class Lock(AttemptMixin):
             self._resolve_thresholds()  # partial arguments must fit the current settings
 
     def __repr__(self) -> str:
-        return f"<Lock {self.name!r}>"
+        return f"<Lock {self.name!r}>" if self.limit == 1 else f"<Lock {self.name!r} limit={self.limit}>"
 
     # -- configuration, resolved at acquire time so override_settings works ------------
 
@@ -187,13 +193,18 @@ class Lock(AttemptMixin):
         waiter = self._waiter(timeout is not None if blocking is None else blocking, timeout)
         lease = self._acquire(waiter)
         if lease is None:
-            mine = held_by_this_thread(self._alias(), self.name)
+            mine = self._held_by_this_thread()
             if mine is not None:
                 raise self._held_here(mine)
             raise LockNotAcquired(
                 f"Lock {self.name!r} is held by another process; try again later."
             )
         return lease
+
+    def _held_by_this_thread(self) -> Lease | None:
+        """The lease of this plain lock the calling thread holds (a thread may hold
+        several slots of a semaphore, so a semaphore has none)."""
+        return held_by_this_thread(self._alias(), self.name) if self.limit == 1 else None
 
     def _held_here(self, lease: Lease) -> LockNotAcquired:
         return LockNotAcquired(
@@ -223,7 +234,7 @@ class Lock(AttemptMixin):
         A thread that waits for a name it holds itself would wait for ever (or until its
         timeout): that raises :class:`LockNotAcquired` at once, naming the lease.
         """
-        mine = held_by_this_thread(self._alias(), self.name)
+        mine = self._held_by_this_thread()
         if mine is not None and waiter.blocking:
             raise self._held_here(mine)
         while True:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.db import models
 
 from .runs import SkipReason
+from .sql.names import slot_of
 
 __all__ = ["JobLock"]
 
@@ -32,6 +33,11 @@ class JobLock(models.Model):
     advisory = models.BooleanField(
         help_text="The holder also holds a session advisory lock (crash-fast takeover)."
     )
+    slot_limit = models.IntegerField(
+        default=1,
+        help_text="How many holders the holder's lock admits at once (1: a plain lock); "
+        "a semaphore's slots above the first have rows named after it (see slot).",
+    )
 
     class Meta:
         db_table = "django_pglock_joblock"
@@ -41,7 +47,14 @@ class JobLock(models.Model):
         permissions = [("force_release_joblock", "Can force-release job locks")]
 
     def __str__(self) -> str:
-        return f"{self.name} (token {self.token}, held by {self.holder})"
+        name, slot = self.lock_name_and_slot
+        where = f"slot {slot} of {self.slot_limit}, " if self.slot_limit > 1 or slot > 1 else ""
+        return f"{name} ({where}token {self.token}, held by {self.holder})"
+
+    @property
+    def lock_name_and_slot(self) -> tuple[str, int]:
+        """The lock's name and this row's slot (1 for a plain lock)."""
+        return slot_of(self.name)
 
 
 class ScheduleClaim(models.Model):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
@@ -15,16 +16,31 @@ from .redaction import describe
 if TYPE_CHECKING:
     from .lock import Lock
 
-__all__ = ["MAX_NAME_LENGTH", "Option", "Resolved", "validate_description", "validate_name"]
+__all__ = [
+    "MAX_LIMIT",
+    "MAX_NAME_LENGTH",
+    "MAX_SEMAPHORE_NAME_LENGTH",
+    "Option",
+    "Resolved",
+    "validate_description",
+    "validate_limit",
+    "validate_name",
+]
 
 MAX_NAME_LENGTH = 255
+#: The largest ``limit`` of a semaphore.
+MAX_LIMIT = 1000
+#: The longest name of a semaphore (``limit`` > 1): room is kept in the 255-character
+#: column for the separator and the slot number of slots above the first ("\x1f1000").
+MAX_SEMAPHORE_NAME_LENGTH = MAX_NAME_LENGTH - 1 - len(str(MAX_LIMIT))
 
 
 def validate_name(name: object) -> str:
     """Return ``name`` if it can name a lock, else raise ``ValueError`` saying why.
 
     A name is a non-empty string of at most 255 characters, storable as UTF-8 (no NUL,
-    no lone surrogate), neither blank nor with leading or trailing whitespace.
+    no lone surrogate, no other control character), neither blank nor with leading or
+    trailing whitespace.
     """
     if not isinstance(name, str):
         raise ValueError(f"Lock name {name!r} is {kind_of(name)}; pass a string.")
@@ -41,6 +57,14 @@ def validate_name(name: object) -> str:
         )
     if "\x00" in name:
         raise ValueError(f"Lock name {name!r} contains a NUL character; remove it.")
+    control = next((c for c in name if unicodedata.category(c) == "Cc"), None)
+    if control is not None:
+        # "\x1f" separates a semaphore's name from its slot numbers (sql.slot_row).
+        raise ValueError(
+            f"Lock name {name!r} contains the control character {control!r}; lock names "
+            "cannot contain control characters (tabs, newlines, \\x00-\\x1f, \\x7f-\\x9f): "
+            "remove it."
+        )
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:
@@ -53,6 +77,29 @@ def validate_name(name: object) -> str:
             f"Lock name {name!r} has leading or trailing whitespace; pass {name.strip()!r}."
         )
     return name
+
+
+def validate_limit(limit: object, name: str) -> int:
+    """Return ``limit`` if lock ``name`` can have that many holders at once, else raise
+    ``ValueError`` saying why: an ``int`` from 1 to ``MAX_LIMIT`` (1000), and a name of at
+    most ``MAX_SEMAPHORE_NAME_LENGTH`` (250) characters when it is above 1."""
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise ValueError(
+            f"limit={limit!r} is {kind_of(limit)}; pass a whole number of holders from 1 "
+            f"to {MAX_LIMIT}, such as limit=3."
+        )
+    if not 1 <= limit <= MAX_LIMIT:
+        raise ValueError(
+            f"limit={limit} is out of range; pass a number of holders from 1 to {MAX_LIMIT} "
+            "(1: a plain lock)."
+        )
+    if limit > 1 and len(name) > MAX_SEMAPHORE_NAME_LENGTH:
+        raise ValueError(
+            f"Lock name {name[:40]!r}... is {len(name)} characters long; a semaphore's "
+            f"(limit={limit}) can be at most {MAX_SEMAPHORE_NAME_LENGTH}, to leave room for "
+            "its slot numbers. Pass a shorter name."
+        )
+    return limit
 
 
 def validate_description(description: object) -> str:

@@ -42,6 +42,7 @@ class ReleaseMixin:
     name: str
     token: int
     heartbeat_interval: float
+    _row: str
     exit_code: int | None
     state: State
     _pid: int
@@ -168,7 +169,7 @@ class ReleaseMixin:
         # Another lease of this process that holds the same key (two names whose keys
         # collide) shares this session's one hold of it: the last of them gives it back.
         unlock = unlock and not key_shared(self._conn, self._key, exclude=self)
-        params = {"name": self.name, "token": self.token, "advisory": unlock, "key": self._key}
+        params = {"name": self._row, "token": self.token, "advisory": unlock, "key": self._key}
         if self._run_id is None:
             statement = sql.RELEASE_GUARDED if self._guarded else sql.RELEASE
         else:

@@ -28,7 +28,7 @@ only the public API of django_pglock. Commands:
     (opened with ``O_APPEND``), sleep ``--hold-for`` seconds, append ``EXIT <pid> <time>
     <token>``, release, sleep up to ``--pause`` seconds (random). Print ``CONTENDED <grants>``.
     A lease found lost on leaving the block appends ``LOST <pid> <time> <token>`` and the
-    loop goes on.
+    loop goes on. With ``--limit N`` (a semaphore) each line ends with the lease's slot.
 
 In every command, leaving the ``with`` block with LockNotHeld prints
 ``EXIT_RAISED LockNotHeld`` (exit status 0). An unknown stdin line, or an error raised by a
@@ -81,6 +81,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--poll-interval", type=float, default=None)
     parser.add_argument("--advisory", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--blocking", action="store_true")
+    parser.add_argument("--limit", type=int, default=1, help="a semaphore of this many")
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--seconds", type=float, default=6.0, help="contend: how long to loop")
     parser.add_argument("--log", default=None, help="contend: the shared O_APPEND log file")
@@ -105,6 +106,8 @@ def make_lock(args: argparse.Namespace, name: str) -> Any:
             kwargs[option] = value
     if args.advisory != "auto":
         kwargs["advisory"] = args.advisory == "on"
+    if args.limit != 1:
+        kwargs["limit"] = args.limit
     return Lock(name, **kwargs)
 
 
@@ -306,8 +309,10 @@ def cmd_contend(args: argparse.Namespace) -> int:
     pid = os.getpid()
     grants = 0
 
-    def log(event: str, token: int) -> None:
-        os.write(fd, f"{event} {pid} {time.time():.6f} {token}\n".encode())
+    def log(event: str, token: int, slot: int = 1) -> None:
+        # A semaphore's lines end with the slot.
+        tail = f" {slot}" if args.limit != 1 else ""
+        os.write(fd, f"{event} {pid} {time.time():.6f} {token}{tail}\n".encode())
 
     try:
         say("READY")
@@ -327,9 +332,9 @@ def cmd_contend(args: argparse.Namespace) -> int:
                 with lock.acquire(blocking=True, timeout=remaining) as lease:
                     if lease is None:
                         break
-                    log("ENTER", lease.token)
+                    log("ENTER", lease.token, lease.slot)
                     time.sleep(args.hold_for)
-                    log("EXIT", lease.token)
+                    log("EXIT", lease.token, lease.slot)
                     grants += 1
             except LockNotHeld:  # recorded for the test to judge; keep contending
                 log("LOST", lease.token if lease is not None else 0)

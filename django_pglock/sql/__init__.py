@@ -8,7 +8,7 @@ holds off reclaims (``FOR UPDATE``) and deletes.
 
 The statements live in :mod:`.acquire`, :mod:`.holder` (the holder's own),
 :mod:`.operator` (forced release, run history, pruning, schedules), :mod:`.status`
-(state and abandoned grants), :mod:`.health` (job health), :mod:`.history` (the admin's
+(state and abandoned grants), :mod:`.semaphore` (a semaphore's acquire), :mod:`.health` (job health), :mod:`.history` (the admin's
 recent runs per job) and :mod:`.isolation` (what tests leave); this package exports them
 all.
 """
@@ -21,8 +21,13 @@ from .history import *  # noqa: F403
 from .holder import *  # noqa: F403
 from .isolation import *  # noqa: F403
 from .names import SEQUENCE as SEQUENCE
+from .names import SLOT_SEPARATOR as SLOT_SEPARATOR
 from .names import TABLE as TABLE
 from .names import advisory_key as advisory_key
+from .names import base_name_sql as base_name_sql
 from .names import quote_name as quote_name
+from .names import slot_of as slot_of
+from .names import slot_row as slot_row
 from .operator import *  # noqa: F403
+from .semaphore import *  # noqa: F403
 from .status import *  # noqa: F403

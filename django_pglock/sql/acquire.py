@@ -1,4 +1,7 @@
-"""Acquire: one atomic statement per attempt, with or without a run record."""
+"""Acquire: one atomic statement per attempt, with or without a run record.
+
+This is a plain lock's (``limit=1``); a semaphore's is in :mod:`.semaphore`.
+"""
 
 from __future__ import annotations
 
@@ -46,15 +49,16 @@ _MINE = """CASE WHEN %(advisory)s AND (%(maybe_held)s OR EXISTS (SELECT 1 FROM c
 # attempt gives the key back in the same statement: every outcome is one round trip.
 # A refusal writes nothing, so its commit does not wait for the WAL (see SESSION_SETUP).
 _COLUMNS = """name, token, holder, host, pid, backend_pid, description, acquired_at,
-        last_heartbeat, heartbeat_interval, alert_after, stale_after, advisory"""
+        last_heartbeat, heartbeat_interval, alert_after, stale_after, advisory, slot_limit"""
 _VALUES = f"""%(name)s, nextval('{SEQUENCE}'), %(holder)s, %(host)s, %(pid)s, pg_backend_pid(),
            %(description)s, now(),
-           now(), %(heartbeat_interval)s, %(alert_after)s, %(stale_after)s, key.held"""
+           now(), %(heartbeat_interval)s, %(alert_after)s, %(stale_after)s, key.held, 1"""
 _TAKE_OVER = f"""token = nextval('{SEQUENCE}'), holder = %(holder)s, host = %(host)s,
         pid = %(pid)s, backend_pid = pg_backend_pid(), description = %(description)s,
         acquired_at = now(),
         last_heartbeat = now(), heartbeat_interval = %(heartbeat_interval)s,
-        alert_after = %(alert_after)s, stale_after = %(stale_after)s, advisory = key.held"""
+        alert_after = %(alert_after)s, stale_after = %(stale_after)s, advisory = key.held,
+        slot_limit = 1"""
 _GRANTED = "j.token, j.acquired_at, j.advisory, j.backend_pid"
 # The one-time gate of the reclaim: did the snapshot row look reclaimable? In both the
 # locking scan and the update, so that neither even looks at the row when it did not.

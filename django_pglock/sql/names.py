@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["RUNS", "SEQUENCE", "TABLE", "advisory_key", "quote_name"]
+__all__ = [
+    "RUNS",
+    "SEQUENCE",
+    "SLOT_SEPARATOR",
+    "TABLE",
+    "advisory_key",
+    "base_name_sql",
+    "quote_name",
+    "slot_of",
+    "slot_row",
+]
 
 TABLE = "django_pglock_joblock"
 SEQUENCE = "django_pglock_token_seq"
@@ -23,6 +33,29 @@ def advisory_key(name: str) -> int:
     """
     digest = hashlib.blake2b(name.encode(), digest_size=8, person=b"django_pglock").digest()
     return int.from_bytes(digest, "big", signed=True)
+
+
+#: Between a semaphore's name and the number of a slot above the first in that slot's
+#: row name (``"exports\x1f2"``). Lock names cannot contain it (no control character).
+SLOT_SEPARATOR = "\x1f"
+
+
+def slot_row(name: str, slot: int) -> str:
+    """The row name of slot ``slot`` (1..N) of lock ``name``: the name itself for slot 1,
+    so that a plain lock is slot 1 of a semaphore of the same name."""
+    return name if slot == 1 else f"{name}{SLOT_SEPARATOR}{slot}"
+
+
+def slot_of(row: str) -> tuple[str, int]:
+    """``(name, slot)`` of a row name: the one place, with :func:`base_name_sql`, that
+    reads a row name back."""
+    name, separator, number = row.partition(SLOT_SEPARATOR)
+    return (name, int(number)) if separator and number.isdigit() else (name, 1)
+
+
+def base_name_sql(column: str) -> str:
+    """SQL for the lock name of the row name in ``column`` (:func:`slot_of` in SQL)."""
+    return f"split_part({column}, E'\\x1f', 1)"
 
 
 TABLE_SQL = quote_name(TABLE)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .names import RUNS as _RUNS
 from .names import TABLE_SQL as _T
+from .names import base_name_sql
 from .names import quote_name
 
 _CLAIMS = quote_name("django_pglock_scheduleclaim")
@@ -63,7 +64,8 @@ WITH batch AS (
     WHERE r.id > %(after)s
       AND coalesce(r.finished_at, r.started_at) < %(cutoff)s
       AND NOT (r.finished_at IS NULL
-               AND EXISTS (SELECT 1 FROM {_T} j WHERE j.name = r.name AND j.token = r.token))
+               AND EXISTS (SELECT 1 FROM {_T} j
+                           WHERE j.token = r.token AND {base_name_sql("j.name")} = r.name))
       AND EXISTS (SELECT 1 FROM {_RUNS} n
                   WHERE n.name = r.name AND n.outcome = r.outcome
                     AND (n.started_at, n.id) > (r.started_at, r.id))
@@ -116,7 +118,7 @@ WITH released AS (
 ), run AS (
     UPDATE {_RUNS} r SET finished_at = now(), outcome = 'lost',
         duration = extract(epoch FROM now() - r.started_at)::float8
-    FROM released WHERE r.name = released.name AND r.token = released.token
+    FROM released WHERE r.name = {base_name_sql("released.name")} AND r.token = released.token
       AND r.finished_at IS NULL
 )
 SELECT name, token, holder, host, pid, acquired_at FROM released

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .names import RUNS as _RUNS
 from .names import TABLE_SQL as _T
+from .names import base_name_sql
 
 __all__ = [
     "ABANDONED",
@@ -52,7 +53,8 @@ WITH given AS (
 ), run AS (
     UPDATE {_RUNS} r SET finished_at = now(), outcome = 'lost',
         duration = extract(epoch FROM now() - r.started_at)::float8
-    FROM gone WHERE r.name = gone.name AND r.token = gone.token AND r.finished_at IS NULL
+    FROM gone WHERE r.name = {base_name_sql("gone.name")} AND r.token = gone.token
+      AND r.finished_at IS NULL
 )
 SELECT name, token FROM gone
 """
