@@ -33,7 +33,8 @@ class JobLockAdmin(LockDatabaseAdmin):
     """Read-only holders page. State and heartbeat age come from the database clock."""
 
     list_display = (
-        "name",
+        "name_display",
+        "slot_display",
         "state_badge",
         "heartbeat_age_display",
         "holder_display",
@@ -51,6 +52,8 @@ class JobLockAdmin(LockDatabaseAdmin):
         return queryset.annotate(
             state=RawSQL(sql.STATE_EXPRESSION, abandoned_grants(queryset.db)),
             heartbeat_age=RawSQL(sql.HEARTBEAT_AGE_EXPRESSION, ()),
+            held=RawSQL(sql.HELD_EXPRESSION, ()),
+            lock_limit=RawSQL(sql.LIMIT_EXPRESSION, ()),
         )
 
     def has_add_permission(self, request: HttpRequest) -> bool:
@@ -64,6 +67,18 @@ class JobLockAdmin(LockDatabaseAdmin):
 
     def has_force_release_permission(self, request: HttpRequest) -> bool:
         return request.user.has_perm("django_pglock.force_release_joblock")
+
+    @admin.display(description="name", ordering="name")
+    def name_display(self, obj: JobLock) -> str:
+        return obj.lock_name_and_slot[0]
+
+    @admin.display(description="slot")
+    def slot_display(self, obj: Any) -> str:
+        """A semaphore's holder: its slot, and how many of the lock's slots are held."""
+        slot = obj.lock_name_and_slot[1]
+        if slot == 1 and obj.slot_limit == 1 and obj.held == 1:
+            return "-"
+        return f"{slot} ({obj.held} of {obj.lock_limit} held)"
 
     @admin.display(description="state", ordering="state")
     def state_badge(self, obj: Any) -> str:
@@ -123,6 +138,8 @@ class JobLockAdmin(LockDatabaseAdmin):
     def _release(self, request: HttpRequest, name: str, token: int, using: str) -> None:
         """Release grant ``token`` of ``name``, log it and tell the user what happened."""
         try:
+            # A semaphore's slot row: its lock's name, and the grant's token.
+            name = sql.slot_of(name)[0]
             released = force_release(name, token=token, using=using)
         except ValueError as exc:
             self.message_user(request, str(exc), messages.ERROR)

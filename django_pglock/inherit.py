@@ -7,7 +7,8 @@ and skip; instead it runs under the parent's grant, once the grant is proven rea
 
 * the variables name this very lock (``DJANGO_PGLOCK_NAME`` equals the lock's name);
 * the lock's row exists now with that token (so the grant is current: a reclaim, a
-  forced release or a release gives the name a new token or none);
+  forced release or a release gives the name a new token or none); for a semaphore,
+  the row of one of its slots (tokens are unique: the token names the slot);
 * the row's holder runs on this host and is an ancestor of this process (its pid is
   met walking up the parent pids; ``locked_run``'s guardian sits in between);
 * this process is in the job's process group, the one ``locked_run`` waits for and
@@ -87,8 +88,11 @@ class InheritedLease:
         acquired_at: datetime.datetime,
         using: str,
         slot: datetime.datetime | None = None,
+        row: str | None = None,
     ) -> None:
         self.name = name
+        # The row of the grant: the name, or a semaphore's slot's (sql.slot_row).
+        self._row = name if row is None else row
         self.token = token
         self.holder = holder
         self.acquired_at = acquired_at
@@ -109,7 +113,7 @@ class InheritedLease:
         """Raise :class:`LockNotHeld` unless the parent's grant is still current."""
         self._require_held()
         rows = get_connection(self.using).execute(
-            sql.CHECK, {"name": self.name, "token": self.token}
+            sql.CHECK, {"name": self._row, "token": self.token}
         )
         if not rows[0][0]:
             self._gone()
@@ -125,7 +129,7 @@ class InheritedLease:
                 f"transaction.atomic(using={self.using!r}) so the fence lasts until commit."
             )
         with connection.cursor() as cursor:
-            cursor.execute(sql.GUARD, {"name": self.name, "token": self.token})
+            cursor.execute(sql.GUARD, {"name": self._row, "token": self.token})
             row = cursor.fetchone()
         if row is None:
             self._gone()
@@ -168,7 +172,7 @@ def parent_grant(lock: Lock) -> InheritedLease | None:
     if not rows:
         _ignored(name, text, "is not the lock's current grant")
         return None
-    holder, host, pid, acquired_at = rows[0]
+    holder, host, pid, acquired_at, row = rows[0]
     if host != current().host or pid not in ancestors():
         _ignored(name, text, f"belongs to {holder}, which did not start this process")
         return None
@@ -176,7 +180,7 @@ def parent_grant(lock: Lock) -> InheritedLease | None:
     if outside:
         _ignored(name, text, outside)
         return None
-    return InheritedLease(name, token, holder, acquired_at, alias, _lent_slot())
+    return InheritedLease(name, token, holder, acquired_at, alias, _lent_slot(), row)
 
 
 def lend(env: dict[str, str], name: str, token: int, slot: datetime.datetime | None) -> None:

@@ -52,6 +52,12 @@ class JobLock(models.Model):
         return f"{name} ({where}token {self.token}, held by {self.holder})"
 
     @property
+    def label(self) -> str:
+        """The lock's name, with the slot for a semaphore's holder: ``exports [slot 2]``."""
+        name, slot = self.lock_name_and_slot
+        return f"{name} [slot {slot}]" if self.slot_limit > 1 or slot > 1 else name
+
+    @property
     def lock_name_and_slot(self) -> tuple[str, int]:
         """The lock's name and this row's slot (1 for a plain lock)."""
         return slot_of(self.name)

@@ -40,11 +40,25 @@ class LockStatus:
     advisory: bool
     description: str
     state: str  # "ok", "alert", "stale" or "abandoned"
+    slot: int = 1  # which of a semaphore's slots (1 for a plain lock)
+    limit: int = 1  # the limit of the lock's latest grant (1: a plain lock)
+    held: int = 1  # how many of the lock's slots are held
+
+    @property
+    def semaphore(self) -> bool:
+        """Whether the row is a semaphore's (a limit above 1, or a slot above 1)."""
+        return self.limit > 1 or self.slot > 1 or self.held > 1
+
+    @property
+    def held_label(self) -> str:
+        """``"2 of 3 held"``."""
+        return f"{self.held} of {self.limit} held"
 
     def as_dict(self) -> dict[str, Any]:
         data = dict(self.__dict__)
         data["acquired_at"] = self.acquired_at.isoformat()
         data["last_heartbeat"] = self.last_heartbeat.isoformat()
+        data["held_label"] = self.held_label
         return data
 
 
@@ -106,8 +120,10 @@ def force_release(
 ) -> dict[str, Any] | None:
     """Delete the row of ``name`` (only if it carries ``token``, when given).
 
-    Returns the released holder (name, token, holder, host, pid, acquired_at), or
-    ``None`` when nothing matched. Waits for a guarded transaction on that row to end.
+    Returns the released holder (name, token, holder, host, pid, acquired_at, slot), or
+    ``None`` when nothing matched. A semaphore's holders are one per slot: without a
+    ``token`` only a lone holder is released, and with several ``ValueError`` names
+    their tokens and nothing changes. Waits for a guarded transaction on that row to end.
     The old holder's next heartbeat, ``check()`` and ``guard()`` fail.
     """
     validate_name(name)
@@ -117,9 +133,17 @@ def force_release(
     with connections[alias].cursor() as cursor:
         cursor.execute(sql.FORCE_RELEASE, {"name": name, "token": token})
         row = cursor.fetchone()
-    if row is None:
+    held = row[6] or []
+    if len(held) > 1:  # a semaphore's holders: which one is for the caller to say
+        tokens = ", ".join(str(t) for t in held)
+        raise ValueError(
+            f"Lock {name!r} is a semaphore with {len(held)} holders (tokens {tokens}); "
+            "nothing was released. Pass the token of the one to release (--token N)."
+        )
+    if row[1] is None:
         return None
     fields = ("name", "token", "holder", "host", "pid", "acquired_at")
-    released = dict(zip(fields, row, strict=True))
+    released = dict(zip(fields, row[:6], strict=True))
+    released["name"], released["slot"] = sql.slot_of(released["name"])
     send(signals.lock_force_released, None, name=name, token=released["token"], holder=released)
     return released

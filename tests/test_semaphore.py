@@ -121,3 +121,42 @@ def test_semaphore_name_leaves_room_for_slots():
 def test_names_cannot_hold_control_characters(bad):
     with pytest.raises(ValueError, match="control character"):
         Lock(bad)
+
+
+def test_force_release_without_token_refuses_several_holders(db):
+    lock = Lock("sem-force-all", limit=3)
+    a, b = lock.try_acquire(), lock.try_acquire()
+    with pytest.raises(ValueError, match=rf"2 holders \(tokens {a.token}, {b.token}\)"):
+        force_release("sem-force-all")
+    assert [s for s, *_ in rows(db, "sem-force-all")] == [1, 2]  # nothing changed
+    b.release()
+    released = force_release("sem-force-all")  # a lone holder: released
+    assert released["token"] == a.token and released["slot"] == 1
+
+
+def test_status_and_json_show_held_of_limit(db):
+    import json
+
+    from django.core.management import call_command
+
+    from django_pglock.operations import lock_status
+
+    lock = Lock("sem-status", limit=3)
+    a, b = lock.try_acquire(), lock.try_acquire()
+    status = [row for row in lock_status() if row.name == "sem-status"]
+    assert sorted((row.slot, row.token) for row in status) == [(1, a.token), (2, b.token)]
+    assert {(row.held, row.limit, row.held_label) for row in status} == {(2, 3, "2 of 3 held")}
+    out = io_of(call_command, "pglock_status")
+    assert "SEMAPHORE: sem-status: 2 of 3 held." in out
+    assert "sem-status [slot 2]" in out and str(b.token) in out
+    data = json.loads(io_of(call_command, "pglock_status", "--json"))
+    mine = sorted((d["slot"], d["token"], d["held_label"]) for d in data if d["name"] == "sem-status")
+    assert mine == [(1, a.token, "2 of 3 held"), (2, b.token, "2 of 3 held")]
+
+
+def io_of(call, *args):
+    import io
+
+    out = io.StringIO()
+    call(*args, stdout=out)
+    return out.getvalue()

@@ -25,6 +25,12 @@ def add_arguments(parser: CommandParser) -> None:
     parser.add_argument("argv", nargs=argparse.REMAINDER, help="<command> [args…]")
     parser.add_argument("--name", help="Lock name (default: the command's name).")
     parser.add_argument(
+        "--limit",
+        type=int,
+        default=1,
+        help="Run at most N at once (a semaphore of N slots; default 1: one at a time).",
+    )
+    parser.add_argument(
         "--shell",
         action="store_true",
         help="Run an arbitrary program: locked_run --shell -- <argv…>.",

@@ -161,8 +161,10 @@ CHECK = f"SELECT EXISTS (SELECT 1 FROM {_T} WHERE name = %(name)s AND token = %(
 
 # The grant a locked_run passed to its job (DJANGO_PGLOCK_NAME/_TOKEN), if still current:
 # a plain snapshot read; the caller checks that its holder is an ancestor on this host.
+# A semaphore's grant is the row of one of its slots: any row of the name with the token.
 PARENT_GRANT = f"""
-SELECT holder, host, pid, acquired_at FROM {_T} WHERE name = %(name)s AND token = %(token)s
+SELECT holder, host, pid, acquired_at, name FROM {_T}
+WHERE token = %(token)s AND (name = %(name)s OR {base_name_sql("name")} = %(name)s)
 """
 
 # Run in the caller's transaction: KEY SHARE blocks reclaims (FOR UPDATE) and deletes

@@ -11,6 +11,7 @@ __all__ = [
     "TABLE",
     "advisory_key",
     "base_name_sql",
+    "slot_sql",
     "quote_name",
     "slot_of",
     "slot_row",
@@ -56,6 +57,11 @@ def slot_of(row: str) -> tuple[str, int]:
 def base_name_sql(column: str) -> str:
     """SQL for the lock name of the row name in ``column`` (:func:`slot_of` in SQL)."""
     return f"split_part({column}, E'\\x1f', 1)"
+
+
+def slot_sql(column: str) -> str:
+    """SQL for the slot of the row name in ``column`` (1 for a plain lock's row)."""
+    return f"coalesce(nullif(split_part({column}, E'\\x1f', 2), '')::int, 1)"
 
 
 TABLE_SQL = quote_name(TABLE)

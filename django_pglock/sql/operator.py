@@ -109,19 +109,27 @@ FROM {_T} WHERE name = %(name)s
 """
 
 # Forced release: delete the row, optionally only if it still carries the given token.
-# Waits for any guarded transaction, so fenced writes commit before the row goes.
+# Waits for any guarded transaction, so fenced writes commit before the row goes. A
+# semaphore's holders are all rows of the name (every slot): without a token only a lone
+# holder is released; `held` tells how many there were (the caller names their tokens).
 FORCE_RELEASE = f"""
-WITH released AS (
-    DELETE FROM {_T}
-    WHERE name = %(name)s AND (%(token)s::bigint IS NULL OR token = %(token)s::bigint)
-    RETURNING name, token, holder, host, pid, acquired_at
+WITH found AS MATERIALIZED (
+    SELECT name, token FROM {_T}
+    WHERE (name = %(name)s OR {base_name_sql("name")} = %(name)s)
+      AND (%(token)s::bigint IS NULL OR token = %(token)s::bigint)
+), released AS (
+    DELETE FROM {_T} AS j USING found f
+    WHERE j.name = f.name AND j.token = f.token AND (SELECT count(*) FROM found) = 1
+    RETURNING j.name, j.token, j.holder, j.host, j.pid, j.acquired_at
 ), run AS (
     UPDATE {_RUNS} r SET finished_at = now(), outcome = 'lost',
         duration = extract(epoch FROM now() - r.started_at)::float8
     FROM released WHERE r.name = {base_name_sql("released.name")} AND r.token = released.token
       AND r.finished_at IS NULL
 )
-SELECT name, token, holder, host, pid, acquired_at FROM released
+SELECT r.name, r.token, r.holder, r.host, r.pid, r.acquired_at,
+       (SELECT array_agg(token ORDER BY token) FROM found)
+FROM (SELECT 1) AS one LEFT JOIN released r ON true
 """
 
 # Claim one schedule slot: the first host to insert (name, slot) starts the job; the

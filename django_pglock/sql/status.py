@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from .names import RUNS as _RUNS
 from .names import TABLE_SQL as _T
-from .names import base_name_sql
+from .names import base_name_sql, slot_sql
 
 __all__ = [
     "ABANDONED",
     "ADVISORY_ROWS",
     "HEARTBEAT_AGE_EXPRESSION",
+    "HELD_EXPRESSION",
+    "LIMIT_EXPRESSION",
     "STATE_EXPRESSION",
     "STATUS",
 ]
@@ -70,12 +72,23 @@ STATE_EXPRESSION = f"""CASE
     ELSE 'ok' END"""
 HEARTBEAT_AGE_EXPRESSION = "extract(epoch FROM now() - last_heartbeat)::float8"
 
-# Status of every lock (the parameters of STATE_EXPRESSION).
+# A semaphore's rows (one per slot held), for each row: how many of its lock's slots are
+# held, and the limit its latest grant declared (a limit changed while holders run shows
+# as the newest one).
+_SAME_LOCK = f"{base_name_sql('o.name')} = {base_name_sql(f'{_T}.name')}"
+HELD_EXPRESSION = f"(SELECT count(*) FROM {_T} o WHERE {_SAME_LOCK})::int"
+LIMIT_EXPRESSION = f"""(SELECT o.slot_limit FROM {_T} o WHERE {_SAME_LOCK}
+    ORDER BY o.token DESC LIMIT 1)"""
+
+# Status of every lock (the parameters of STATE_EXPRESSION): one row per holder, by lock
+# name and slot (a semaphore's slots are rows of their own, see names.slot_row).
 STATUS = f"""
-SELECT name, token, holder, host, pid, acquired_at, last_heartbeat,
+SELECT {base_name_sql("name")}, token, holder, host, pid, acquired_at, last_heartbeat,
        {HEARTBEAT_AGE_EXPRESSION} AS heartbeat_age,
        heartbeat_interval, alert_after, stale_after, advisory, description,
-       {STATE_EXPRESSION} AS state
+       {STATE_EXPRESSION} AS state,
+       {slot_sql("name")} AS slot,
+       {LIMIT_EXPRESSION} AS lock_limit, {HELD_EXPRESSION} AS held
 FROM {_T}
 ORDER BY acquired_at DESC, name
 """

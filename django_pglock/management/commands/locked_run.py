@@ -85,7 +85,7 @@ class Command(BaseCommand):
             slot = None
             if options["schedule"] is not None:
                 slot = ScheduleSlot(options["schedule"], name, using=alias)
-            lock = Lock(name, record=record, **lock_options)
+            lock = Lock(name, record=record, limit=options["limit"], **lock_options)
             lock._thresholds()  # settings and arguments together must be in order
             acquisition = lock.acquire(blocking=options["wait"], timeout=options["timeout"])
         except (ValueError, ImproperlyConfigured) as exc:

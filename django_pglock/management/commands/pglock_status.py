@@ -58,7 +58,7 @@ class Command(BaseCommand):
                 header,
                 [
                     (
-                        row.name,
+                        f"{row.name} [slot {row.slot}]" if row.semaphore else row.name,
                         row.state.upper() if row.state != "ok" else "ok",
                         f"{row.heartbeat_age:.1f}s",
                         f"{row.host}:{row.pid}",
@@ -69,6 +69,9 @@ class Command(BaseCommand):
                     for row in rows
                 ],
             )
+            semaphores = {row.name: row.held_label for row in rows if row.semaphore}
+            for name, held in sorted(semaphores.items()):
+                self.stdout.write(f"SEMAPHORE: {name}: {held}.")
             if any(row.state == "abandoned" for row in rows):
                 self.stdout.write(
                     "ABANDONED: the holder's session has ended (its process died or lost the "
