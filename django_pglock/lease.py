@@ -73,9 +73,9 @@ class Lease(LivenessMixin, KeyMixin, ReleaseMixin):
     Attributes: ``name``, ``token`` (the fencing token of this grant), ``holder`` (this
     process's holder id), ``acquired_at`` (database time), ``using`` (database alias),
     ``state`` (a :class:`State`), ``slot`` (1..``limit``: which of a semaphore's slots
-    this grant holds; 1 for a plain lock) and ``limit`` (the lock's ``limit``). A lease is also a context manager: leaving it releases
-    the lock, and raises :class:`LockNotHeld` if the lease was lost while the block ran
-    without error.
+    this grant holds; 1 for a plain lock) and ``limit`` (the lock's ``limit``). A lease
+    is also a context manager: leaving it releases the lock, and raises
+    :class:`LockNotHeld` if the lease was lost while the block ran without error.
     """
 
     state = State.HELD

@@ -103,7 +103,11 @@ class Lock(AttemptMixin):
             self._resolve_thresholds()  # partial arguments must fit the current settings
 
     def __repr__(self) -> str:
-        return f"<Lock {self.name!r}>" if self.limit == 1 else f"<Lock {self.name!r} limit={self.limit}>"
+        return (
+            f"<Lock {self.name!r}>"
+            if self.limit == 1
+            else f"<Lock {self.name!r} limit={self.limit}>"
+        )
 
     # -- configuration, resolved at acquire time so override_settings works ------------
 

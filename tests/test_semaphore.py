@@ -150,7 +150,9 @@ def test_status_and_json_show_held_of_limit(db):
     assert "SEMAPHORE: sem-status: 2 of 3 held." in out
     assert "sem-status [slot 2]" in out and str(b.token) in out
     data = json.loads(io_of(call_command, "pglock_status", "--json"))
-    mine = sorted((d["slot"], d["token"], d["held_label"]) for d in data if d["name"] == "sem-status")
+    mine = sorted(
+        (d["slot"], d["token"], d["held_label"]) for d in data if d["name"] == "sem-status"
+    )
     assert mine == [(1, a.token, "2 of 3 held"), (2, b.token, "2 of 3 held")]
 
 

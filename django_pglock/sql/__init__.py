@@ -8,9 +8,9 @@ holds off reclaims (``FOR UPDATE``) and deletes.
 
 The statements live in :mod:`.acquire`, :mod:`.holder` (the holder's own),
 :mod:`.operator` (forced release, run history, pruning, schedules), :mod:`.status`
-(state and abandoned grants), :mod:`.semaphore` (a semaphore's acquire), :mod:`.health` (job health), :mod:`.history` (the admin's
-recent runs per job) and :mod:`.isolation` (what tests leave); this package exports them
-all.
+(state and abandoned grants), :mod:`.semaphore` (a semaphore's acquire), :mod:`.health`
+(job health), :mod:`.history` (the admin's recent runs per job) and :mod:`.isolation`
+(what tests leave); this package exports them all.
 """
 
 from __future__ import annotations

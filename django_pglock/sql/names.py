@@ -11,10 +11,10 @@ __all__ = [
     "TABLE",
     "advisory_key",
     "base_name_sql",
-    "slot_sql",
     "quote_name",
     "slot_of",
     "slot_row",
+    "slot_sql",
 ]
 
 TABLE = "django_pglock_joblock"

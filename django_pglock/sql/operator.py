@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from .names import RUNS as _RUNS
 from .names import TABLE_SQL as _T
-from .names import base_name_sql
-from .names import quote_name
+from .names import base_name_sql, quote_name
 
 _CLAIMS = quote_name("django_pglock_scheduleclaim")
 
