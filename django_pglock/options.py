@@ -57,14 +57,6 @@ def validate_name(name: object) -> str:
         )
     if "\x00" in name:
         raise ValueError(f"Lock name {name!r} contains a NUL character; remove it.")
-    control = next((c for c in name if unicodedata.category(c) == "Cc"), None)
-    if control is not None:
-        # "\x1f" separates a semaphore's name from its slot numbers (sql.slot_row).
-        raise ValueError(
-            f"Lock name {name!r} contains the control character {control!r}; lock names "
-            "cannot contain control characters (tabs, newlines, \\x00-\\x1f, \\x7f-\\x9f): "
-            "remove it."
-        )
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:
@@ -75,6 +67,14 @@ def validate_name(name: object) -> str:
     if name != name.strip():
         raise ValueError(
             f"Lock name {name!r} has leading or trailing whitespace; pass {name.strip()!r}."
+        )
+    control = next((c for c in name if unicodedata.category(c) == "Cc"), None)
+    if control is not None:
+        # "\x1f" separates a semaphore's name from its slot numbers (sql.slot_row).
+        raise ValueError(
+            f"Lock name {name!r} contains the control character {control!r}; lock names "
+            "cannot contain control characters (tabs, newlines, \\x00-\\x1f, \\x7f-\\x9f): "
+            "remove it."
         )
     return name
 
