@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
@@ -28,6 +29,7 @@ from .connection import validate_alias
 from .events import call_metrics, configured_metrics, send
 from .exceptions import DatabaseUnavailable, LockNotAcquired
 from .identity import default_description
+from .leadership import AsyncLeadership, Leadership
 from .lease import Lease, held_by_this_thread
 from .options import Option, Resolved, validate_description, validate_limit, validate_name
 from .waiting import Waiter
@@ -231,6 +233,23 @@ class Lock(AttemptMixin):
         Same semantics as :meth:`acquire`; waiting never blocks the event loop.
         """
         return AsyncAcquisition(self, self._waiter(blocking, timeout))
+
+    def leadership(
+        self, timeout: float | None = None, *, on_demotion: Callable[[Lease], Any] | None = None
+    ) -> Leadership:
+        """Leader election: ``with lock.leadership() as lease:`` waits until elected.
+
+        Raises :class:`LockNotAcquired` if ``timeout`` s pass first. On demotion (the
+        lease lost) sets the returned object's ``demoted`` event and calls
+        ``on_demotion(lease)``; the body must then stop leading. See :mod:`.leadership`.
+        """
+        return Leadership(self.acquire(True, timeout), on_demotion)
+
+    def leadership_async(
+        self, timeout: float | None = None, *, on_demotion: Callable[[Lease], Any] | None = None
+    ) -> AsyncLeadership:
+        """``async with lock.leadership_async() as lease:``; as :meth:`leadership`."""
+        return AsyncLeadership(self.acquire_async(True, timeout), on_demotion)
 
     def _acquire(self, waiter: Waiter) -> Lease | None:
         """The synchronous shell: attempt, sleep, attempt again.
