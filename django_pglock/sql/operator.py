@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .names import RUNS as _RUNS
 from .names import TABLE_SQL as _T
-from .names import quote_name
+from .names import notify, quote_name
 
 _CLAIMS = quote_name("django_pglock_scheduleclaim")
 
@@ -107,12 +107,13 @@ FROM {_T} WHERE name = %(name)s
 """
 
 # Forced release: delete the row, optionally only if it still carries the given token.
-# Waits for any guarded transaction, so fenced writes commit before the row goes.
+# Waits for any guarded transaction, so fenced writes commit before the row goes. The
+# name's waiters are woken when the caller's transaction commits.
 FORCE_RELEASE = f"""
 WITH released AS (
     DELETE FROM {_T}
     WHERE name = %(name)s AND (%(token)s::bigint IS NULL OR token = %(token)s::bigint)
-    RETURNING name, token, holder, host, pid, acquired_at
+    RETURNING name, token, holder, host, pid, acquired_at, {notify("name")}
 ), run AS (
     UPDATE {_RUNS} r SET finished_at = now(), outcome = 'lost',
         duration = extract(epoch FROM now() - r.started_at)::float8
