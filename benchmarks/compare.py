@@ -547,21 +547,41 @@ _HELD: list[Any] = []  # keeps what a driver holds referenced until it is killed
 
 
 def _handoffs(driver: Any, cmd: dict[str, Any]) -> dict[str, Any]:
-    """Wait (the library's blocking acquire), hold a while, release, wait again, until
-    ``until``: each grant and each release stamped on the host's monotonic clock (the
-    same for every process), taken just after the grant and just before the release."""
+    """Wait (the library's blocking acquire), hold a while, release, and wait again once
+    another process has been granted the name, until ``until``: each grant and each
+    release stamped on the host's monotonic clock (the same for every process), just
+    after the grant returned and just before the release call. Grants are appended to
+    the shared log ``log``, which is how a process that released sees the next grant:
+    so a release is always handed to one of the others, never back to its releaser."""
     rng = random.Random(os.getpid())
     grants: list[int] = []
     releases: list[int] = []
+    errors, samples = 0, []
+    fd = os.open(cmd["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     while time.monotonic() < cmd["until"]:
-        handle = driver.wait_acquire(cmd["name"], max(0.1, cmd["until"] - time.monotonic()))
+        try:
+            handle = driver.wait_acquire(cmd["name"], max(0.1, cmd["until"] - time.monotonic()))
+        except Exception as error:  # a library's own failure under contention
+            errors += 1
+            if len(samples) < 3:
+                samples.append(describe(error))
+            continue
         if handle is None:
             break
-        grants.append(time.monotonic_ns())
+        granted = time.monotonic_ns()
+        grants.append(granted)
+        os.write(fd, f"{granted}\n".encode())
         time.sleep(cmd["hold"] * rng.uniform(0.5, 1.5))
-        releases.append(time.monotonic_ns())
+        released = time.monotonic_ns()
+        releases.append(released)
         driver.release(handle)
-    return {"grants": grants, "releases": releases}
+        while time.monotonic() < cmd["until"]:  # rest until another process holds it
+            with open(cmd["log"], encoding="utf-8") as log_file:
+                if any(int(line) > released for line in log_file.read().split()):
+                    break
+            time.sleep(0.001)
+    os.close(fd)
+    return {"grants": grants, "releases": releases, "errors": errors, "error_samples": samples}
 
 
 def driver_main(kind: str, url: str) -> int:
@@ -1293,8 +1313,11 @@ def handoff_trial(h: Harness, lib: Library) -> dict[str, Any]:
             driver.call("info", timeout=180)
             driver.call("cycle_n", n=2, name=f"warm-{driver.tag}", timeout=120)
         until = time.monotonic() + 1.0 + h.settings.handoff_seconds
+        log_path = h.logs / f"handoff-{lib.key}.log"
         for driver in drivers:
-            driver.send("handoff", name="handoff", until=until, hold=HANDOFF_HOLD)
+            driver.send(
+                "handoff", name="handoff", until=until, hold=HANDOFF_HOLD, log=str(log_path)
+            )
         answers = [d.recv(timeout=h.settings.handoff_seconds + 120) for d in drivers]
     except DriverError as error:
         return {"error": str(error)}
@@ -1313,6 +1336,10 @@ def handoff_trial(h: Harness, lib: Library) -> dict[str, Any]:
     ordered = sorted(times)
     p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
     row.update(handoffs=len(times), median_ms=statistics.median(times), p99_ms=p99)
+    errors = sum(a.get("errors", 0) for a in answers)
+    if errors:
+        samples = [e for a in answers for e in a.get("error_samples", [])]
+        row.update(errors=errors, error_samples=samples[:3])
     return row
 
 
@@ -1517,6 +1544,12 @@ def goals(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def fmt_errors(row: dict[str, Any]) -> str:
+    if not row.get("errors"):
+        return "0"
+    return f"{row['errors']} ({one_line('; '.join(row.get('error_samples', [])), 160)})"
+
+
 def markdown(report: dict[str, Any]) -> str:
     m, s, cfg = report["machine"], report["server"], report["settings"]
     libs = [lib for lib in LIBRARIES if lib.key in report["libraries"]]
@@ -1693,26 +1726,28 @@ def markdown(report: dict[str, Any]) -> str:
 
     w(f"### 5. Handoff: {PROCESSES} waiting processes, a holder releases\n")
     w(
-        "Every process loops blocking acquire -> hold "
-        f"{HANDOFF_HOLD * 1000:.0f} ms (x0.5..1.5) -> release; each release is matched with "
+        f"{PROCESSES + 1} processes loop blocking acquire -> hold "
+        f"{HANDOFF_HOLD * 1000:.0f} ms (x0.5..1.5) -> release -> rest until another process "
+        "holds the name; each release is matched with "
         "the next grant, stamped on the same host clock (just before the release call, just "
         "after the grant returned). Statements per second: all the library's statements "
         f"while the {PROCESSES} processes wait and the holder keeps the name "
         f"({cfg.get('idle_window', 0):.0f} s, pg_stat_statements).\n"
     )
-    w("| library | handoffs | median | p99 | statements / s while waiting |")
-    w("|---|---:|---:|---:|---:|")
+    w("| library | handoffs | median | p99 | statements / s while waiting | errors |")
+    w("|---|---:|---:|---:|---:|---|")
     for lib in libs:
         row = report.get("handoff", {}).get(lib.key)
         if row is None:
             continue
         if "error" in row and "median_ms" not in row:
-            w(f"| {lib.label} | error: {one_line(row['error'], 120)} | | | |")
+            w(f"| {lib.label} | error: {one_line(row['error'], 120)} | | | | |")
             continue
         rate = row.get("waiting_statements_per_s")
         w(
             f"| {lib.label} | {row['handoffs']} | {row['median_ms']:.1f} ms "
-            f"| {row['p99_ms']:.1f} ms | {'' if rate is None else f'{rate:.1f}'} |"
+            f"| {row['p99_ms']:.1f} ms | {'' if rate is None else f'{rate:.1f}'} "
+            f"| {fmt_errors(row)} |"
         )
     w("")
 
