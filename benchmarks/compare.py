@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import math
 import os
 import platform
 import queue
@@ -66,6 +67,7 @@ WORK_SECONDS = 0.0002  # contention: the "tiny work" done while holding
 BACKOFF_SECONDS = 0.002  # contention: sleep after a refused try (jittered x0.5..1.5)
 POLL_SECONDS = 0.5  # takeover: poll interval for libraries without a blocking acquire
 STATEMENT_OPS = 100  # cycles run to count statements and sessions per cycle
+HANDOFF_HOLD = 0.1  # handoff: seconds each grant is held before its release (jittered)
 
 
 @dataclass(frozen=True)
@@ -77,10 +79,12 @@ class Settings:
     takeover_trials: int
     takeover_cap: float
     hold_window: float  # seconds over which refresh statements are counted
+    handoff_seconds: float = 20.0  # handoff: seconds of handoffs per library
+    idle_window: float = 5.0  # handoff: seconds over which waiting statements are counted
 
 
 FULL = Settings(20, 0.1, 4, 1.5, 5, 30.0, 20.0)
-QUICK = Settings(8, 0.1, 2, 1.0, 3, 10.0, 10.0)
+QUICK = Settings(8, 0.1, 2, 1.0, 3, 10.0, 10.0, 10.0, 3.0)
 
 
 @dataclass(frozen=True)
@@ -97,7 +101,7 @@ class Library:
     client: str = "psycopg"  # the PostgreSQL driver the library uses
 
 
-PHASES = ("cycle", "contention", "takeover", "hold")
+PHASES = ("cycle", "contention", "takeover", "hold", "handoff")
 ALL = frozenset(PHASES)
 LIBRARIES = [
     Library(
@@ -542,6 +546,44 @@ def _hold_many(driver: Any, prefix: str, n: int) -> dict[str, Any]:
 _HELD: list[Any] = []  # keeps what a driver holds referenced until it is killed
 
 
+def _handoffs(driver: Any, cmd: dict[str, Any]) -> dict[str, Any]:
+    """Wait (the library's blocking acquire), hold a while, release, and wait again once
+    another process has been granted the name, until ``until``: each grant and each
+    release stamped on the host's monotonic clock (the same for every process), just
+    after the grant returned and just before the release call. Grants are appended to
+    the shared log ``log``, which is how a process that released sees the next grant:
+    so a release is always handed to one of the others, never back to its releaser."""
+    rng = random.Random(os.getpid())
+    grants: list[int] = []
+    releases: list[int] = []
+    errors, samples = 0, []
+    fd = os.open(cmd["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    while time.monotonic() < cmd["until"]:
+        try:
+            handle = driver.wait_acquire(cmd["name"], max(0.1, cmd["until"] - time.monotonic()))
+        except Exception as error:  # a library's own failure under contention
+            errors += 1
+            if len(samples) < 3:
+                samples.append(describe(error))
+            continue
+        if handle is None:
+            break
+        granted = time.monotonic_ns()
+        grants.append(granted)
+        os.write(fd, f"{granted}\n".encode())
+        time.sleep(cmd["hold"] * rng.uniform(0.5, 1.5))
+        released = time.monotonic_ns()
+        releases.append(released)
+        driver.release(handle)
+        while time.monotonic() < cmd["until"]:  # rest until another process holds it
+            with open(cmd["log"], encoding="utf-8") as log_file:
+                if any(int(line) > released for line in log_file.read().split()):
+                    break
+            time.sleep(0.001)
+    os.close(fd)
+    return {"grants": grants, "releases": releases, "errors": errors, "error_samples": samples}
+
+
 def driver_main(kind: str, url: str) -> int:
     protocol = sys.stdout
     sys.stdout = sys.stderr  # anything a library prints stays off the protocol
@@ -599,6 +641,8 @@ def driver_main(kind: str, url: str) -> int:
                 acquired = time.monotonic_ns()
                 _HELD.append(handle)
                 result = {"acquired_ns": acquired if handle is not None else None}
+            elif op == "handoff":
+                result = _handoffs(driver, cmd)
             elif op == "hold_many":
                 result = _hold_many(driver, cmd["prefix"], cmd["n"])
             else:
@@ -977,6 +1021,8 @@ def spread(values: list[float]) -> tuple[float, float]:
 
 
 def measure_cycles(h: Harness, pools: dict[str, list[Driver]]) -> dict[str, Any]:
+    if "cycle" not in h.phases:
+        return {}
     keys = [lib.key for lib in h.usable("cycle") if lib.key in pools and lib.key != "floor"]
     slot = h.settings.cycle_slot
 
@@ -1060,6 +1106,8 @@ def parse_logs(paths: list[Path], start_ns: int, until_ns: int) -> dict[str, Any
 
 
 def measure_contention(h: Harness, pools: dict[str, list[Driver]]) -> dict[str, Any]:
+    if "contention" not in h.phases:
+        return {}
     keys = [lib.key for lib in h.usable("contention") if lib.key in pools and lib.key != "floor"]
     seconds = h.settings.contention_seconds
     runs: dict[str, list[dict[str, Any]]] = {key: [] for key in ["floor", *keys]}
@@ -1222,6 +1270,85 @@ def measure_takeover(h: Harness) -> dict[str, Any]:
             row["errors"] = errors
         results[lib.key] = row
         log(f"takeover {lib.key}: {row}")
+    return results
+
+
+# -- phase 5: handoff from a release to the next waiter's grant --------------------------
+
+
+def handoff_trial(h: Harness, lib: Library) -> dict[str, Any]:
+    """PROCESSES waiting processes and a holder. First the statements per second of the
+    waiters while the holder keeps the name; then every process loops wait -> hold ->
+    release, and each release is matched with the next grant (by anyone)."""
+    drivers = [h.spawn(lib, f"handoff{i}") for i in range(PROCESSES + 1)]
+    row: dict[str, Any] = {}
+    try:
+        for driver in drivers:
+            driver.call("info", timeout=180)
+        holder, waiters = drivers[0], drivers[1:]
+        if not holder.call("hold", name="idle", timeout=60)["held"]:
+            raise DriverError("the holder could not take 'idle'")
+        window = h.settings.idle_window
+        for driver in waiters:
+            driver.send("wait", name="idle", cap=window + 60.0)
+        for driver in waiters:
+            if driver.recv(timeout=60).get("event") != "waiting":
+                raise DriverError("a waiter did not start waiting")
+        time.sleep(1.0)  # every waiter past its first refusal
+        if h.statements:
+            h.reset_statements(lib)
+            time.sleep(window)
+            calls = sum(c for q, c, _ in h.statements_of(lib) if "pg_stat_statements" not in q)
+            row["waiting_statements_per_s"] = calls / window
+    except DriverError as error:
+        for driver in drivers:
+            h.retire(driver, kill=True)
+        return {"error": str(error)}
+    for driver in drivers:  # the waiters still wait on 'idle': start afresh
+        h.retire(driver, kill=True)
+    h.wait_idle(lib)
+    drivers = [h.spawn(lib, f"handoff{i}") for i in range(PROCESSES + 1)]
+    try:
+        for driver in drivers:
+            driver.call("info", timeout=180)
+            driver.call("cycle_n", n=2, name=f"warm-{driver.tag}", timeout=120)
+        until = time.monotonic() + 1.0 + h.settings.handoff_seconds
+        log_path = h.logs / f"handoff-{lib.key}.log"
+        for driver in drivers:
+            driver.send(
+                "handoff", name="handoff", until=until, hold=HANDOFF_HOLD, log=str(log_path)
+            )
+        answers = [d.recv(timeout=h.settings.handoff_seconds + 120) for d in drivers]
+    except DriverError as error:
+        return {"error": str(error)}
+    finally:
+        for driver in drivers:
+            h.retire(driver, kill=True)
+    grants = sorted(g for a in answers for g in a["grants"])
+    releases = sorted(r for a in answers for r in a["releases"])
+    times = []
+    for released in releases:
+        later = [g for g in grants if g > released]
+        if later:
+            times.append((later[0] - released) / 1e6)
+    if len(times) < 2:
+        return {**row, "error": f"only {len(times)} handoffs in {h.settings.handoff_seconds} s"}
+    ordered = sorted(times)
+    p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+    row.update(handoffs=len(times), median_ms=statistics.median(times), p99_ms=p99)
+    errors = sum(a.get("errors", 0) for a in answers)
+    if errors:
+        samples = [e for a in answers for e in a.get("error_samples", [])]
+        row.update(errors=errors, error_samples=samples[:3])
+    return row
+
+
+def measure_handoff(h: Harness) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for lib in h.usable("handoff"):
+        log(f"handoff {lib.key}: {PROCESSES} waiting processes")
+        results[lib.key] = handoff_trial(h, lib)
+        log(f"handoff {lib.key}: {results[lib.key]}")
     return results
 
 
@@ -1404,7 +1531,23 @@ def goals(report: dict[str, Any]) -> list[tuple[str, str, str, str]]:
             verdict(None if per10 is None else per10 <= 1.5),
         )
     )
+    hand = report.get("handoff", {}).get(key, {})
+    median, p99 = hand.get("median_ms"), hand.get("p99_ms")
+    rows.append(
+        (
+            f"handoff, {PROCESSES} waiting processes",
+            "median <= 5 ms, p99 <= 20 ms",
+            "" if median is None else f"median {median:.1f} ms, p99 {p99:.1f} ms",
+            verdict(None if median is None else median <= 5 and p99 <= 20),
+        )
+    )
     return rows
+
+
+def fmt_errors(row: dict[str, Any]) -> str:
+    if not row.get("errors"):
+        return "0"
+    return f"{row['errors']} ({one_line('; '.join(row.get('error_samples', [])), 160)})"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -1581,6 +1724,33 @@ def markdown(report: dict[str, Any]) -> str:
             w(f"- {lib.label} (not counted): {calls} x `{text}`")
     w("")
 
+    w(f"### 5. Handoff: {PROCESSES} waiting processes, a holder releases\n")
+    w(
+        f"{PROCESSES + 1} processes loop blocking acquire -> hold "
+        f"{HANDOFF_HOLD * 1000:.0f} ms (x0.5..1.5) -> release -> rest until another process "
+        "holds the name; each release is matched with "
+        "the next grant, stamped on the same host clock (just before the release call, just "
+        "after the grant returned). Statements per second: all the library's statements "
+        f"while the {PROCESSES} processes wait and the holder keeps the name "
+        f"({cfg.get('idle_window', 0):.0f} s, pg_stat_statements).\n"
+    )
+    w("| library | handoffs | median | p99 | statements / s while waiting | errors |")
+    w("|---|---:|---:|---:|---:|---|")
+    for lib in libs:
+        row = report.get("handoff", {}).get(lib.key)
+        if row is None:
+            continue
+        if "error" in row and "median_ms" not in row:
+            w(f"| {lib.label} | error: {one_line(row['error'], 120)} | | | | |")
+            continue
+        rate = row.get("waiting_statements_per_s")
+        w(
+            f"| {lib.label} | {row['handoffs']} | {row['median_ms']:.1f} ms "
+            f"| {row['p99_ms']:.1f} ms | {'' if rate is None else f'{rate:.1f}'} "
+            f"| {fmt_errors(row)} |"
+        )
+    w("")
+
     w("### Goals (django_pglock)\n")
     w("| goal | target | measured | verdict |")
     w("|---|---|---|---|")
@@ -1709,6 +1879,7 @@ def main(argv: list[str]) -> int:
                 h.retire(driver)
         takeover = measure_takeover(h)
         hold = measure_hold(h)
+        handoff = measure_handoff(h)
         versions = h.versions
         broken = dict(h.broken)
     command = "python benchmarks/compare.py" + (" --quick" if args.quick else "")
@@ -1732,6 +1903,7 @@ def main(argv: list[str]) -> int:
         "contention": contention,
         "takeover": takeover,
         "hold": hold,
+        "handoff": handoff,
     }
     body = markdown(report)
     if not args.no_doc:

@@ -1,7 +1,8 @@
 """The async shell around :class:`~django_pglock.Lock`: no logic of its own.
 
-Each acquire statement runs in a worker thread and waiting uses ``asyncio.sleep``, so
-the event loop is never blocked; the decisions are the sync core's.
+Each acquire statement runs in a worker thread and waiting is awaited (a sleep, or a
+wake-up when the name is released), so the event loop is never blocked; the decisions
+are the sync core's.
 """
 
 from __future__ import annotations
@@ -69,25 +70,28 @@ class AsyncAcquisition:
 
     async def __aenter__(self) -> Lease | None:
         waiter = self._waiter
-        while True:
-            handoff = _Handoff()
-            try:
-                lease = await asyncio.to_thread(
-                    handoff.run, functools.partial(self._lock._attempt_once, waiter)
-                )
-            except asyncio.CancelledError:
-                handoff.abandon()  # the statement runs on in its thread
-                raise
-            except DatabaseUnavailable as exc:
-                await asyncio.sleep(waiter.unavailable(exc))
-                continue
-            if lease is not None:
-                self.lease = lease
-                return lease
-            delay = waiter.next_delay()
-            if delay is None:
-                return None
-            await asyncio.sleep(delay)
+        try:
+            while True:
+                handoff = _Handoff()
+                try:
+                    lease = await asyncio.to_thread(
+                        handoff.run, functools.partial(self._lock._attempt_once, waiter)
+                    )
+                except asyncio.CancelledError:
+                    handoff.abandon()  # the statement runs on in its thread
+                    raise
+                except DatabaseUnavailable as exc:
+                    await asyncio.sleep(waiter.unavailable(exc))
+                    continue
+                if lease is not None:
+                    self.lease = lease
+                    return lease
+                delay = waiter.next_delay()
+                if delay is None:
+                    return None
+                await waiter.sleep_async(delay)  # or until a release of the name wakes it
+        finally:
+            waiter.done()
 
     async def __aexit__(
         self,

@@ -9,6 +9,7 @@ child never uses its parent's connection: the registry is keyed by process id.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import select
@@ -24,6 +25,7 @@ from .exceptions import ConnectionBusy, DatabaseUnavailable, LockError, SessionE
 from .failures import first_line, is_unavailable
 from .opening import open_session
 from .protocol import NoAnswer, Protocol, converted
+from .sql import CHANNEL
 
 __all__ = ["ConnectionBusy", "LockConnection", "SessionEnded", "get_connection", "validate_alias"]
 
@@ -38,6 +40,18 @@ def on_session_end(listener: SessionListener) -> None:
     """Call ``listener(conn, generation)`` whenever a lock session is found ended."""
     if listener not in _session_listeners:
         _session_listeners.append(listener)
+
+
+#: Called with (connection, payload) for each notification a lock session receives on
+#: sql.CHANNEL, whichever thread reads it (the one running a statement, or the
+#: wake-ups thread reading an idle session): see :mod:`.wakeups`.
+NotifyListener = Callable[["LockConnection", str], None]
+_notify_listener: list[NotifyListener] = []
+
+
+def on_notify(listener: NotifyListener) -> None:
+    """Call ``listener(conn, payload)`` for each notification on ``sql.CHANNEL``."""
+    _notify_listener[:] = [listener]
 
 
 class LockConnection(Protocol):
@@ -78,7 +92,11 @@ class LockConnection(Protocol):
         return f"<LockConnection alias={self.alias!r} {state} backend_pid={self.backend_pid}>"
 
     def _connect(self, deadline: float | None = None) -> psycopg.Connection[Any]:
-        return open_session(self, deadline)
+        conn = open_session(self, deadline)
+        # psycopg hands over each notification it reads, while any statement's answer is
+        # read (heartbeats, other locks) or by read_idle(): none is left unread.
+        conn.add_notify_handler(functools.partial(_notified, self))
+        return conn
 
     def execute(
         self,
@@ -200,6 +218,32 @@ class LockConnection(Protocol):
         except psycopg.Error:  # pragma: no cover - only if another thread closes it just now
             return None
 
+    def read_idle(self) -> bool:
+        """Read what the session received while idle (notifications, which psycopg hands
+        to the notify listener), without waiting: ``False`` when another thread holds
+        the connection (its statement reads them), or the session was found ended."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        ended = None
+        try:
+            conn = self._conn
+            if conn is None or conn.closed:
+                return False
+            pgconn = conn.pgconn
+            try:
+                pgconn.consume_input()
+                while notification := pgconn.notifies():
+                    if pgconn.notify_handler is not None:  # pragma: no branch - psycopg's
+                        pgconn.notify_handler(notification)
+                return True
+            except psycopg.Error:  # the server closed the session
+                ended = self._discard()
+                return False
+        finally:
+            self.lock.release()
+            if ended is not None:
+                _tell_session_ended(self, ended)
+
     def readable_while_idle(self) -> bool:
         """True if the socket has input while no statement is in flight (not on Linux)."""
         with self.lock:
@@ -259,6 +303,16 @@ def _call(
 ) -> None:
     if after_failure is not None:
         after_failure(rows, alive)
+
+
+def _notified(conn: LockConnection, notification: psycopg.Notify) -> None:
+    if notification.channel != CHANNEL:
+        return
+    for listener in _notify_listener:
+        try:
+            listener(conn, notification.payload)
+        except Exception:  # pragma: no cover - a listener bug must not break a statement
+            logger.exception("django_pglock: notify listener raised")
 
 
 def _tell_session_ended(conn: LockConnection, generation: int) -> None:

@@ -170,8 +170,9 @@ class Lock(AttemptMixin):
     def acquire(self, blocking: bool = True, timeout: float | None = None) -> _Acquisition:
         """Context manager yielding a :class:`Lease`, or ``None`` if not acquired.
 
-        ``blocking=False`` makes one attempt; ``blocking=True`` retries every
-        ``poll_interval`` (jittered) until acquired or ``timeout`` seconds have passed
+        ``blocking=False`` makes one attempt; ``blocking=True`` retries as soon as the
+        name is released (PostgreSQL ``NOTIFY``), and every ``poll_interval``
+        (jittered) in any case, until acquired or ``timeout`` seconds have passed
         (``None``: no limit). Leaving the block releases the lock.
         """
         waiter = self._waiter(blocking, timeout)
@@ -260,18 +261,21 @@ class Lock(AttemptMixin):
         mine = self._held_by_this_thread()
         if mine is not None and waiter.blocking:
             raise self._held_here(mine)
-        while True:
-            try:
-                lease = self._attempt_once(waiter, sync=True)
-            except DatabaseUnavailable as exc:
-                time.sleep(waiter.unavailable(exc))
-                continue
-            if lease is not None:
-                return lease
-            delay = waiter.next_delay()
-            if delay is None:
-                return None
-            time.sleep(delay)
+        try:
+            while True:
+                try:
+                    lease = self._attempt_once(waiter, sync=True)
+                except DatabaseUnavailable as exc:
+                    time.sleep(waiter.unavailable(exc))
+                    continue
+                if lease is not None:
+                    return lease
+                delay = waiter.next_delay()
+                if delay is None:
+                    return None
+                waiter.sleep(delay)  # or until a release of the name wakes it
+        finally:
+            waiter.done()
 
     def _attempt_once(self, waiter: Waiter, *, sync: bool = False) -> Lease | None:
         """One attempt on behalf of ``waiter``; signals and metrics for its outcome.
@@ -285,6 +289,8 @@ class Lock(AttemptMixin):
         waiter.attempts += 1
         if lease is not None:
             self._granted(lease, waiter.started, sync=sync)
+        else:
+            waiter.listen()  # a blocking one is woken when the name is freed
         return lease
 
     def _granted(self, lease: Lease, started: float, *, sync: bool = False) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -12,6 +13,7 @@ from .conf import check_seconds
 from .connection import get_connection
 from .exceptions import DatabaseUnavailable
 from .redaction import redact
+from .wakeups import OFF, STARTED, Wake, wakeups
 
 if TYPE_CHECKING:
     from .lock import Lock
@@ -55,6 +57,9 @@ class Waiter:
         self.outage: float | None = None  # since when the database is unavailable
         self.failures = 0  # failed attempts in a row, for the backoff
         self.warned_at = 0.0  # when the outage was last logged
+        self.wake: Wake | None = None  # woken when the name is freed (see .wakeups)
+        self.heard = False  # the lock session listens: a release wakes this waiter
+        self.retry_now = False  # it just started listening: a release may have been missed
 
     def bound(self) -> float | None:
         """When (``time.monotonic()``) the attempt starting now must have been answered:
@@ -123,6 +128,49 @@ class Waiter:
                 ) from exc
             delay = min(delay, remaining)
         return delay
+
+    def listen(self) -> None:
+        """After a refused attempt of a blocking acquire: be woken when the name is freed.
+
+        Subscribes once, then makes sure the lock session listens (one ``LISTEN`` per
+        session, only when it does not yet). A session that starts listening now did
+        not hear a release committed before: the next attempt is made at once.
+        """
+        lock = self.lock
+        if not self.blocking or lock is None:
+            return
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return  # this wait is over
+        alias = lock._alias()
+        if self.wake is None:  # subscribed before listening: nothing heard is missed
+            self.wake = wakeups().subscribe(alias, lock.name)
+        state = wakeups().ensure_listening(get_connection(alias), self.bound())
+        self.heard = state != OFF
+        self.retry_now = self.retry_now or state == STARTED
+
+    def sleep(self, delay: float) -> None:
+        """Sleep ``delay`` s before the next attempt, or until the name is freed."""
+        if self.retry_now:
+            self.retry_now = False
+        elif self.wake is not None and self.heard:
+            self.wake.wait(delay)
+        else:
+            time.sleep(delay)
+
+    async def sleep_async(self, delay: float) -> None:
+        """:meth:`sleep` for the async shell: the event loop is never blocked."""
+        if self.retry_now:
+            self.retry_now = False
+        elif self.wake is not None and self.heard:
+            await self.wake.wait_async(delay)
+        else:
+            await asyncio.sleep(delay)
+
+    def done(self) -> None:
+        """The acquire is over (granted, given up or interrupted): no more wake-ups."""
+        wake, self.wake = self.wake, None
+        if wake is not None and self.lock is not None:
+            wakeups().unsubscribe(self.lock._alias(), self.lock.name, wake)
 
     def next_delay(self) -> float | None:
         """Seconds to sleep before the next attempt, or ``None`` to give up."""

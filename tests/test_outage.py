@@ -17,6 +17,7 @@ from tests.faultkit import (  # noqa: F401  (fixtures "procs", "pg", "fdb")
     fault_db_fixture,
     fault_server_fixture,
     procs_fixture,
+    wait_until,
     worker_env,
 )
 
@@ -132,3 +133,66 @@ def test_the_backoff_grows_is_bounded_and_warns_again_while_the_outage_lasts(cap
     with pytest.raises(DatabaseUnavailable, match="Gave up waiting after 5 s") as raised:
         timed.unavailable(exc)
     assert raised.value.__cause__ is exc
+
+
+# Holds argv[1] on the table path (its lease outlives its session) until a "release" line.
+TABLE_HOLDER = """
+import sys
+import django
+django.setup()
+from django_pglock import Lock
+lease = Lock(sys.argv[1], advisory=False, heartbeat_interval=1, alert_after=5).try_acquire()
+print("HELD", lease.token, flush=True)
+for line in sys.stdin:
+    if line.strip() == "release":
+        lease.release()
+        print("RELEASED", flush=True)
+"""
+
+# Waits for argv[1], polling only every 30 s (15..30 s jittered): a grant within seconds
+# of a release can only come from its notification.
+SLOW_WAITER = """
+import sys
+import django
+django.setup()
+from django_pglock import Lock
+print("WAITING", flush=True)
+with Lock(sys.argv[1], poll_interval=30).acquire(timeout=300) as lease:
+    print("GRANTED", lease.token if lease else None, flush=True)
+"""
+
+IDLE_WAITER_SESSION = """
+SELECT pid FROM pg_stat_activity
+WHERE application_name = 'django_pglock' AND state = 'idle'
+  AND query LIKE '%%pg_advisory_xact_lock%%' AND backend_start > %s
+  AND now() - state_change > interval '1 second'
+"""
+
+
+def test_a_waiter_listens_again_after_a_restart(pg, fdb, procs):
+    """Issue 15: the session that listened ends with the server; the waiter notices at
+    once, connects again, listens on the new session (and polls once), so the next
+    release still wakes it at once."""
+    env = worker_env(pg.url())
+    name = unique("relisten")
+    holder = procs.start(sys.executable, "-c", TABLE_HOLDER, name, env=env, stdin=True)
+    held = int(holder.expect("HELD").split()[1])
+    waiter = procs.start(sys.executable, "-c", SLOW_WAITER, name, env=env)
+    waiter.expect("WAITING")
+    pg.stop("immediate")
+    pg.start()
+    restarted = fdb.execute("SELECT pg_postmaster_start_time()").fetchone()[0]
+    # Well before its next poll (15 s at the earliest), the waiter is back, refused and
+    # listening on a new session: only noticing the ended session explains that.
+    found = wait_until(
+        lambda: fdb.execute(IDLE_WAITER_SESSION, [restarted]).fetchall(), timeout=12.0
+    )
+    assert found, "the waiter did not come back on a new session before its next poll"
+    holder.send("release")
+    released_at = time.monotonic()
+    holder.expect("RELEASED", 60)
+    line = waiter.expect("GRANTED", 60)
+    handoff = time.monotonic() - released_at
+    print(f"\n[measure] handoff after a restart: {handoff:.3f} s")
+    assert handoff < 5.0, f"the waiter was granted {handoff:.2f} s after the release"
+    assert int(line.split()[1]) > held

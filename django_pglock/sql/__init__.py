@@ -20,14 +20,18 @@ from .health import *  # noqa: F403
 from .history import *  # noqa: F403
 from .holder import *  # noqa: F403
 from .isolation import *  # noqa: F403
+from .names import CHANNEL as CHANNEL
+from .names import LISTEN as LISTEN
 from .names import SEQUENCE as SEQUENCE
 from .names import SLOT_SEPARATOR as SLOT_SEPARATOR
 from .names import TABLE as TABLE
+from .names import UNLISTEN as UNLISTEN
 from .names import advisory_key as advisory_key
 from .names import base_name_sql as base_name_sql
 from .names import quote_name as quote_name
 from .names import slot_of as slot_of
 from .names import slot_row as slot_row
+from .names import wake_key as wake_key
 from .operator import *  # noqa: F403
 from .semaphore import *  # noqa: F403
 from .status import *  # noqa: F403

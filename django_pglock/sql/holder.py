@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .names import RUNS as _RUNS
 from .names import TABLE_SQL as _T
-from .names import base_name_sql
+from .names import base_name_sql, notify
 
 __all__ = [
     "ADOPTED",
@@ -49,9 +49,11 @@ LEFT JOIN {_T} s ON s.name = mine.name AND s.token = mine.token
 """
 
 
-# Release: delete our row (scoped by token) and give the advisory key back, in one
-# statement. A lease that was guarded skips a row still locked by the guarded
-# transaction (FOR UPDATE SKIP LOCKED) instead of waiting for it: then nothing changes,
+# Release: delete our row (scoped by token), give the advisory key back and wake the
+# name's waiters (a notification delivered at commit, computed in the delete's RETURNING
+# so that it is sent exactly when a row was deleted), in one statement. A lease that was
+# guarded skips a row still locked by the guarded transaction (FOR UPDATE SKIP LOCKED)
+# instead of waiting for it: then nothing changes,
 # `present` says so, and the caller retries once that transaction has ended. Nothing
 # but a guard holds our row for long, so an unguarded release deletes directly.
 def _release(guarded: bool, record: bool) -> str:
@@ -61,7 +63,7 @@ def _release(guarded: bool, record: bool) -> str:
     FOR UPDATE SKIP LOCKED
 ), del AS (
     DELETE FROM {_T} AS j USING target WHERE j.name = target.name AND j.token = %(token)s
-    RETURNING j.token
+    RETURNING j.token, {notify("j.name")}
 ), still AS (
     SELECT 1 FROM {_T} s WHERE s.name = %(name)s AND s.token = %(token)s
 )"""
@@ -69,7 +71,8 @@ def _release(guarded: bool, record: bool) -> str:
         settled = "(EXISTS (SELECT 1 FROM del) OR NOT EXISTS (SELECT 1 FROM still))"
     else:
         target = f"""del AS (
-    DELETE FROM {_T} WHERE name = %(name)s AND token = %(token)s RETURNING token
+    DELETE FROM {_T} WHERE name = %(name)s AND token = %(token)s
+    RETURNING token, {notify("name")}
 )"""
         present, settled = "false", "true"
     # With run history: finish the JobRun row once the release is settled. A run whose
@@ -133,12 +136,13 @@ FROM got
 # heard of them (an exception raised by a signal handler between the server and the
 # registry). Run only after such an interruption, by the heartbeat thread, holding the
 # connection so that no grant is between its statement and its registration meanwhile.
-# Their runs are finished as lost; the caller gives back the keys this session holds.
+# Their runs are finished as lost, their waiters woken; the caller gives back the keys
+# this session holds.
 SWEEP_ORPHANS = f"""
 WITH gone AS (
     DELETE FROM {_T}
     WHERE holder = %(holder)s AND NOT (token = ANY(%(tokens)s::bigint[]))
-    RETURNING name, token, advisory, backend_pid
+    RETURNING name, token, advisory, backend_pid, {notify("name")}
 ), run AS (
     UPDATE {_RUNS} r SET finished_at = now(), outcome = 'lost',
         duration = extract(epoch FROM now() - r.started_at)::float8

@@ -5,16 +5,21 @@ from __future__ import annotations
 import hashlib
 
 __all__ = [
+    "CHANNEL",
+    "LISTEN",
     "RUNS",
     "SEQUENCE",
     "SLOT_SEPARATOR",
     "TABLE",
+    "UNLISTEN",
     "advisory_key",
     "base_name_sql",
+    "notify",
     "quote_name",
     "slot_of",
     "slot_row",
     "slot_sql",
+    "wake_key",
 ]
 
 TABLE = "django_pglock_joblock"
@@ -62,6 +67,29 @@ def base_name_sql(column: str) -> str:
 def slot_sql(column: str) -> str:
     """SQL for the slot of the row name in ``column`` (1 for a plain lock's row)."""
     return f"coalesce(nullif(split_part({column}, E'\\x1f', 2), '')::int, 1)"
+
+
+#: The channel every lock statement that frees a name notifies on (one per database, as a
+#: lock's scope is).
+CHANNEL = "django_pglock"
+LISTEN = f'LISTEN "{CHANNEL}"'
+UNLISTEN = f'UNLISTEN "{CHANNEL}"'
+
+
+def wake_key(name: str) -> str:
+    """The payload of the notification that a lock name was freed: its SHA-256 in hex,
+    as :func:`notify` computes it on the server. Any role that can connect may listen on
+    any channel: a digest keeps the names themselves off the channel. The one place
+    that says which name's waiters a freed row wakes (see :func:`notify`)."""
+    return hashlib.sha256(name.encode("utf-8")).hexdigest()
+
+
+def notify(name: str) -> str:
+    """The SQL expression that wakes the waiters of the name ``name`` (an SQL expression
+    naming the freed row's name): ``pg_notify`` on :data:`CHANNEL` with :func:`wake_key`
+    of it. Delivered when the statement's transaction commits, never before."""
+    digest = f"encode(sha256(convert_to({base_name_sql(name)}, 'UTF8')), 'hex')"
+    return f"pg_notify('{CHANNEL}', {digest})"
 
 
 TABLE_SQL = quote_name(TABLE)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .names import RUNS as _RUNS
 from .names import TABLE_SQL as _T
-from .names import base_name_sql, quote_name
+from .names import base_name_sql, notify, quote_name
 
 _CLAIMS = quote_name("django_pglock_scheduleclaim")
 
@@ -119,7 +119,7 @@ WITH found AS MATERIALIZED (
 ), released AS (
     DELETE FROM {_T} AS j USING found f
     WHERE j.name = f.name AND j.token = f.token AND (SELECT count(*) FROM found) = 1
-    RETURNING j.name, j.token, j.holder, j.host, j.pid, j.acquired_at
+    RETURNING j.name, j.token, j.holder, j.host, j.pid, j.acquired_at, {notify("j.name")}
 ), run AS (
     UPDATE {_RUNS} r SET finished_at = now(), outcome = 'lost',
         duration = extract(epoch FROM now() - r.started_at)::float8
