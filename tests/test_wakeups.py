@@ -166,3 +166,27 @@ def test_waiters_of_another_name_are_not_woken(run_child, db):
     other_holder.send("release")  # its own name's release does wake it
     other_holder.expect("RELEASED")
     waiter.expect("ACQUIRED", timeout=WOKEN_WITHIN + 25)
+
+
+def test_a_release_of_a_semaphore_slot_wakes_the_semaphores_waiters(run_child, db):
+    """A slot above the first has a row name of its own; its release wakes the waiters
+    of the semaphore's name, not of that row name."""
+    name = unique("slots")
+    first, _ = start_holder(run_child, name, "--limit", "2", *QUIET_ARGS)
+    second, token = start_holder(run_child, name, "--limit", "2", *QUIET_ARGS)
+    assert db.row(f"{name}\x1f2")["token"] == token, "the second holder holds slot 2"
+    before = db.lock_sessions()
+    waiter = run_child(
+        "wait", "--name", name, "--limit", "2", "--poll-interval", POLL, "--timeout", "120"
+    )
+    settled_waiter(db, before)
+
+    second.send("release")
+    released_at = time.monotonic()
+    second.expect("RELEASED")
+    line = waiter.expect("ACQUIRED", timeout=WOKEN_WITHIN + 25)
+    handoff = time.monotonic() - released_at
+    print(f"\n[measure] handoff after a slot's release: {handoff:.3f} s")
+    assert handoff < WOKEN_WITHIN, f"the waiter was granted {handoff:.2f} s after the release"
+    assert db.row(f"{name}\x1f2")["pid"] == waiter.pid, f"the waiter took slot 2: {line!r}"
+    assert first.lines.empty()
