@@ -25,33 +25,13 @@ from .exceptions import ConnectionBusy, DatabaseUnavailable, LockError, SessionE
 from .failures import first_line, is_unavailable
 from .opening import open_session
 from .protocol import NoAnswer, Protocol, converted
-from .sql import CHANNEL
+from .sessionevents import notified as _notified
+from .sessionevents import on_session_end as on_session_end
+from .sessionevents import tell_session_ended as _tell_session_ended
 
 __all__ = ["ConnectionBusy", "LockConnection", "SessionEnded", "get_connection", "validate_alias"]
 
 logger = logging.getLogger("django_pglock")
-
-#: Called with (connection, generation) when a session ends: its advisory keys are gone.
-SessionListener = Callable[["LockConnection", int], None]
-_session_listeners: list[SessionListener] = []
-
-
-def on_session_end(listener: SessionListener) -> None:
-    """Call ``listener(conn, generation)`` whenever a lock session is found ended."""
-    if listener not in _session_listeners:
-        _session_listeners.append(listener)
-
-
-#: Called with (connection, payload) for each notification a lock session receives on
-#: sql.CHANNEL, whichever thread reads it (the one running a statement, or the
-#: wake-ups thread reading an idle session): see :mod:`.wakeups`.
-NotifyListener = Callable[["LockConnection", str], None]
-_notify_listener: list[NotifyListener] = []
-
-
-def on_notify(listener: NotifyListener) -> None:
-    """Call ``listener(conn, payload)`` for each notification on ``sql.CHANNEL``."""
-    _notify_listener[:] = [listener]
 
 
 class LockConnection(Protocol):
@@ -218,32 +198,6 @@ class LockConnection(Protocol):
         except psycopg.Error:  # pragma: no cover - only if another thread closes it just now
             return None
 
-    def read_idle(self) -> bool:
-        """Read what the session received while idle (notifications, which psycopg hands
-        to the notify listener), without waiting: ``False`` when another thread holds
-        the connection (its statement reads them), or the session was found ended."""
-        if not self.lock.acquire(blocking=False):
-            return False
-        ended = None
-        try:
-            conn = self._conn
-            if conn is None or conn.closed:
-                return False
-            pgconn = conn.pgconn
-            try:
-                pgconn.consume_input()
-                while notification := pgconn.notifies():
-                    if pgconn.notify_handler is not None:  # pragma: no branch - psycopg's
-                        pgconn.notify_handler(notification)
-                return True
-            except psycopg.Error:  # the server closed the session
-                ended = self._discard()
-                return False
-        finally:
-            self.lock.release()
-            if ended is not None:
-                _tell_session_ended(self, ended)
-
     def readable_while_idle(self) -> bool:
         """True if the socket has input while no statement is in flight (not on Linux)."""
         with self.lock:
@@ -303,24 +257,6 @@ def _call(
 ) -> None:
     if after_failure is not None:
         after_failure(rows, alive)
-
-
-def _notified(conn: LockConnection, notification: psycopg.Notify) -> None:
-    if notification.channel != CHANNEL:
-        return
-    for listener in _notify_listener:
-        try:
-            listener(conn, notification.payload)
-        except Exception:  # pragma: no cover - a listener bug must not break a statement
-            logger.exception("django_pglock: notify listener raised")
-
-
-def _tell_session_ended(conn: LockConnection, generation: int) -> None:
-    for listener in list(_session_listeners):
-        try:
-            listener(conn, generation)
-        except Exception:  # pragma: no cover - a listener bug must not break the caller
-            logger.exception("django_pglock: session-end listener raised")
 
 
 _registry: dict[str, LockConnection] = {}

@@ -26,9 +26,9 @@ from .exceptions import LockNotAcquired, LockNotHeld
 from .waiting import describe_holder
 
 if TYPE_CHECKING:
+    from .acquisition import Acquisition
     from .aio import AsyncAcquisition
     from .lease import Lease
-    from .lock import _Acquisition
 
 __all__ = ["AsyncLeadership", "Leadership", "Term"]
 
@@ -150,7 +150,7 @@ class Leadership(_TermMixin):
     ended by demotion leaves quietly: ``demoted`` is set and ``reason`` says why.
     """
 
-    def __init__(self, acquisition: _Acquisition, on_demotion: Callback | None) -> None:
+    def __init__(self, acquisition: Acquisition, on_demotion: Callback | None) -> None:
         self._acquisition = acquisition
         self._start(acquisition._lock.name, acquisition._waiter.timeout, on_demotion)
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
-from types import TracebackType
 from typing import Any
 
 from django.conf import settings
 
 from . import signals
+from .acquisition import Acquisition
 from .aio import AsyncAcquisition
 from .attempt import AttemptMixin
 from .conf import (
@@ -167,7 +166,7 @@ class Lock(AttemptMixin):
 
     # -- acquiring -----------------------------------------------------------------------
 
-    def acquire(self, blocking: bool = True, timeout: float | None = None) -> _Acquisition:
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> Acquisition:
         """Context manager yielding a :class:`Lease`, or ``None`` if not acquired.
 
         ``blocking=False`` makes one attempt; ``blocking=True`` retries as soon as the
@@ -176,7 +175,7 @@ class Lock(AttemptMixin):
         (``None``: no limit). Leaving the block releases the lock.
         """
         waiter = self._waiter(blocking, timeout)
-        return _Acquisition(self, waiter)
+        return Acquisition(self, waiter)
 
     def try_acquire(self) -> Lease | None:
         """One attempt: a :class:`Lease` (call ``release()`` when done), or ``None``.
@@ -305,30 +304,3 @@ class Lock(AttemptMixin):
         except BaseException:  # e.g. a signal handler's exception: nobody will use it
             lease._abandon()
             raise
-
-
-class _Acquisition(AbstractContextManager["Lease | None"]):
-    """What ``Lock.acquire()`` returns: acquires on enter, releases on exit."""
-
-    def __init__(self, lock: Lock, waiter: Waiter) -> None:
-        self._lock = lock
-        self._waiter = waiter
-        self.lease: Lease | None = None
-
-    @property
-    def holder(self) -> dict[str, Any] | None:
-        """The holder that made the last attempt fail (``None`` if none is known)."""
-        return self._waiter.current_holder()
-
-    def __enter__(self) -> Lease | None:
-        self.lease = self._lock._acquire(self._waiter)
-        return self.lease
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self.lease is not None:
-            self.lease.__exit__(exc_type, exc, tb)

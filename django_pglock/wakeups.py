@@ -30,8 +30,9 @@ import time
 
 from . import sql
 from .conf import get_setting
-from .connection import LockConnection, get_connection, on_notify, on_session_end
+from .connection import LockConnection, get_connection
 from .exceptions import LockError
+from .sessionevents import on_notify, on_session_end, read_idle
 
 __all__ = ["LINGER", "LISTENING", "OFF", "STARTED", "Wake", "Wakeups", "wakeups"]
 
@@ -238,7 +239,7 @@ class Wakeups:
                 with contextlib.suppress(BlockingIOError, OSError):
                     while os.read(self._wake_r, 512):  # pragma: no branch - write end open
                         pass
-            elif not conns[fd].read_idle() and conns[fd].is_open():
+            elif not read_idle(conns[fd]) and conns[fd].is_open():
                 time.sleep(BUSY_RETRY)  # another thread's statement reads them
         return True
 

@@ -54,6 +54,7 @@ from django_pglock import (
     heartbeat,
     keys,
     protocol,
+    sessionevents,
     signals,
     singleton_job,
     sql,
@@ -494,7 +495,7 @@ def test_an_interrupted_statement_the_server_never_answers_gives_the_session_up(
             assert not conn.is_open()
             assert (conn, 1) in ended  # leases on that session learn at once
     finally:
-        connection_module._session_listeners.remove(listener)
+        sessionevents._session_listeners.remove(listener)
     conn.execute(sql.NOW, {})
     assert conn.is_open() and conn.backend_pid != backend and conn.generation == 2
 
@@ -731,7 +732,7 @@ def test_a_session_end_listener_is_registered_once(private_conn):
         conn.ensure_open()
         conn.close()
     finally:
-        connection_module._session_listeners.remove(listener)
+        sessionevents._session_listeners.remove(listener)
     assert calls == [1]
 
 
