@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import psycopg
 from django.db import connections, transaction
 from django.utils import timezone
 
@@ -117,11 +118,6 @@ def _zone_ticks(
     return previous, following
 
 
-def _at(epoch: float | None) -> datetime.datetime | None:
-    """An aware UTC datetime from seconds since the epoch (as the statement sends times)."""
-    return None if epoch is None else datetime.datetime.fromtimestamp(epoch, datetime.timezone.utc)
-
-
 def _due(
     spec: JobSpec,
     now: datetime.datetime,
@@ -148,16 +144,9 @@ def _due(
 
 
 def _judge(spec: JobSpec, row: tuple[Any, ...], abandoned: set[tuple[str, int]]) -> JobHealth:
-    (name, now, outcome, started, finished, duration, host, ok_started, ok_finished) = row[:9]
-    (bad_at, _, claim_slot, _, token, holder_host, holder_pid, acquired_at) = row[9:17]
-    held_for, lock_state, _, episodes = row[17:]
-    now, started, finished, acquired_at = _at(now), _at(started), _at(finished), _at(acquired_at)
-    ok_started, ok_finished, bad_at, claim_slot = map(
-        _at, (ok_started, ok_finished, bad_at, claim_slot)
-    )
-    assert now is not None
-    last_start = max((t for t in (started, claim_slot) if t is not None), default=None)
-    due, next_due, overdue = _due(spec, now, last_start, ok_finished or ok_started)
+    (name, now, outcome, started, finished, duration, host, success_at, failure_at) = row[:9]
+    (last_start, _, token, holder_host, holder_pid, acquired_at, held_for, lock_state) = row[9:17]
+    due, next_due, overdue = _due(spec, now, last_start, success_at)
     holder = None
     if token is not None:
         holder = {
@@ -168,8 +157,8 @@ def _judge(spec: JobSpec, row: tuple[Any, ...], abandoned: set[tuple[str, int]])
             "held_for": held_for,
             "lock_state": lock_state,
         }
-    if token is not None and lock_state == "stale":
-        token = None  # its next contender reclaims it: judged as if nobody held it
+        if lock_state == "stale":
+            token = None  # its next contender reclaims it: judged as if nobody held it
     if holder is not None and (name, holder["token"]) in abandoned:
         state, detail = "abandoned", "its holder is gone; the next contender takes it at once"
     elif token is not None and spec.max_duration is not None and held_for > spec.max_duration:
@@ -196,14 +185,21 @@ def _judge(spec: JobSpec, row: tuple[Any, ...], abandoned: set[tuple[str, int]])
         last_finished_at=finished,
         last_duration=duration,
         last_host=host,
-        last_success_at=ok_finished or ok_started,
-        last_failure_at=bad_at,
+        last_success_at=success_at,
+        last_failure_at=failure_at,
         next_due=next_due,
         due=due,
         holder=holder,
         detail=detail,
-        episodes=tuple(episodes),
+        episodes=tuple(row[18]),
     )
+
+
+@functools.lru_cache(maxsize=4096)
+def _undeclared(name: str, schedule: str | None) -> JobSpec:
+    """The spec of a job known from its history or its claims only (one per name and
+    expression: specs are frozen, so calls share them)."""
+    return JobSpec(name, schedule=schedule, grace=DEFAULT_GRACE, declared=False)
 
 
 def job_health(using: str | None = None, *, announce: bool = True) -> list[JobHealth]:
@@ -217,22 +213,59 @@ def job_health(using: str | None = None, *, announce: bool = True) -> list[JobHe
     alias = validate_alias(using if using is not None else get_setting("DATABASE"))
     declared = declared_jobs()
     with transaction.atomic(using=alias):
-        with connections[alias].cursor() as cursor:
-            cursor.execute(sql.HEALTH_BOUNDS)
-            cursor.execute(sql.JOB_HEALTH, {"declared": list(declared)})
-            rows = cursor.fetchall()
-        held = [(r[0], r[13]) for r in rows if r[13] is not None and r[19]]
+        rows = _fetch(alias, declared)
+        held = [(r[0], r[11]) for r in rows if r[11] is not None and r[17]]
         abandoned = _abandoned(alias, held)
-        judged = []
-        for row in rows:
-            name, claim_schedule = row[0], row[12]
-            spec = declared.get(name) or JobSpec(
-                name, schedule=claim_schedule or None, grace=DEFAULT_GRACE, declared=False
-            )
-            judged.append(_judge(spec, row, abandoned))
+        judged = [
+            _judge(declared.get(row[0]) or _undeclared(row[0], row[10] or None), row, abandoned)
+            for row in rows
+        ]
         if announce:
             _announce(alias, judged)
     return judged
+
+
+# The statement's columns that are times (timestamptz).
+_TIMES = (1, 3, 4, 7, 8, 9, 14)
+
+
+def _fetch(alias: str, declared: dict[str, JobSpec]) -> list[tuple[Any, ...]]:
+    """The rows of ``sql.JOB_HEALTH``, its times as aware datetimes in UTC.
+
+    Read in binary: psycopg builds the datetimes in C, where Django's cursors (which bind
+    parameters on the client, and read text) would parse each one in Python. The cursor is
+    wrapped as Django wraps its own, so execute wrappers and query logging see the statement.
+    """
+    connection = connections[alias]
+    with connection.cursor() as cursor:
+        cursor.execute(sql.HEALTH_BOUNDS)
+    raw = connection.connection
+    if isinstance(raw, psycopg.Connection):
+        binary: psycopg.Cursor[Any] = psycopg.Cursor(raw)
+        binary.format = psycopg.pq.Format.BINARY
+        # (django-stubs types the argument as Django's wrapper; Django passes the driver's cursor.)
+        wrap = connection.make_debug_cursor if connection.queries_logged else connection.make_cursor
+        wrapped = wrap(binary)  # type: ignore[arg-type]
+    else:  # pragma: no cover - Django picks psycopg 3 whenever it is installed, as here
+        wrapped = connection.cursor()
+    with wrapped as cursor:
+        cursor.execute(sql.JOB_HEALTH, {"declared": list(declared)})
+        rows: list[tuple[Any, ...]] = cursor.fetchall()
+    if rows and rows[0][1].tzinfo is not datetime.timezone.utc:
+        # The session's time zone is not UTC (USE_TZ = False): the same instants, in UTC.
+        rows = [_in_utc(row) for row in rows]
+    return rows
+
+
+def _in_utc(row: tuple[Any, ...]) -> tuple[Any, ...]:
+    values = list(row)
+    for i in _TIMES:
+        value = values[i]
+        if value is not None:
+            if value.tzinfo is None:  # a text read without USE_TZ: the session's zone
+                value = timezone.make_aware(value, timezone.get_default_timezone())
+            values[i] = value.astimezone(datetime.timezone.utc)
+    return tuple(values)
 
 
 def _abandoned(alias: str, held: list[tuple[str, int]]) -> set[tuple[str, int]]:
