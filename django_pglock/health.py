@@ -169,7 +169,16 @@ def _judge(
     memo: dict[tuple[Any, ...], tuple[Any, ...]],
 ) -> JobHealth:
     (name, now, outcome, started, finished, duration, host, success_at, failure_at) = row[:9]
-    (last_start, _, token, holder_host, holder_pid, acquired_at, held_for, lock_state) = row[9:17]
+    (claim_slot, _, token, holder_host, holder_pid, acquired_at, held_for, lock_state) = row[9:17]
+    # The last run answers for the last success or failure when it is one (the statement
+    # then sends NULL); a claim of a later slot is a later start.
+    if outcome == "succeeded":
+        success_at = finished or started
+    elif outcome in ("failed", "lost"):
+        failure_at = finished or started
+    last_start = started
+    if claim_slot is not None and (started is None or claim_slot > started):
+        last_start = claim_slot
     due, next_due, overdue = _due(spec, now, last_start, success_at, memo)
     holder = None
     if token is not None:

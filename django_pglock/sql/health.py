@@ -25,10 +25,10 @@ _RUN = "r.name, r.outcome, r.started_at, r.finished_at, r.duration, r.host"
 # The distinct names of the run history by a loose index scan on django_pglock_run_name_idx
 # (one probe per name, not a scan of every row), each probe bringing that name's newest run.
 # A job's last run is that one unless it was skipped (then one more probe, on the same
-# index); its last success and last failure are the last run when that run succeeded, or
-# failed or was lost, and otherwise one probe each on the partial indexes run_ok_idx and
-# run_bad_idx. Each `WHERE` on the outer row alone is a one-time filter: a probe that is
-# not needed does not run.
+# index). Its last success is the last run when that run succeeded (health.py reads it
+# there; the column is NULL), else one probe on the partial index run_ok_idx; its last
+# failure likewise, on run_bad_idx. A `WHERE` on the outer row alone is a one-time filter:
+# a probe that is not needed does not run. Columns that are NULL cost nothing to fetch.
 JOB_HEALTH = f"""
 WITH RECURSIVE newest AS (
     (SELECT {_RUN} FROM {_RUNS} r ORDER BY r.name, r.started_at DESC LIMIT 1)
@@ -50,8 +50,7 @@ WITH RECURSIVE newest AS (
 )
 SELECT j.name, now(),
        last.outcome, last.started_at, last.finished_at, last.duration, last.host,
-       coalesce(ok.finished_at, ok.started_at), bad.at,
-       greatest(last.started_at, claim.slot), claim.schedule,
+       ok.at, bad.at, claim.slot, claim.schedule,
        held.token, held.host, held.pid, held.acquired_at,
        extract(epoch FROM now() - held.acquired_at)::float8,
        CASE WHEN held.name IS NULL THEN NULL
@@ -73,20 +72,15 @@ LEFT JOIN LATERAL (
      ORDER BY r.started_at DESC LIMIT 1)
 ) last ON true
 LEFT JOIN LATERAL (
-    SELECT last.started_at, last.finished_at WHERE last.outcome = 'succeeded'
-    UNION ALL
-    (SELECT r.started_at, r.finished_at FROM {_RUNS} r
-     WHERE last.outcome <> 'succeeded' AND r.name = j.name AND r.outcome = 'succeeded'
-     ORDER BY r.started_at DESC LIMIT 1)
+    SELECT coalesce(r.finished_at, r.started_at) AS at FROM {_RUNS} r
+    WHERE last.outcome <> 'succeeded' AND r.name = j.name AND r.outcome = 'succeeded'
+    ORDER BY r.started_at DESC LIMIT 1
 ) ok ON true
 LEFT JOIN LATERAL (
-    SELECT coalesce(last.finished_at, last.started_at) AS at
-    WHERE last.outcome IN ('failed', 'lost')
-    UNION ALL
-    (SELECT coalesce(r.finished_at, r.started_at) FROM {_RUNS} r
-     WHERE last.outcome NOT IN ('failed', 'lost') AND r.name = j.name
-       AND r.outcome IN ('failed', 'lost')
-     ORDER BY r.started_at DESC LIMIT 1)
+    SELECT coalesce(r.finished_at, r.started_at) AS at FROM {_RUNS} r
+    WHERE last.outcome NOT IN ('failed', 'lost') AND r.name = j.name
+      AND r.outcome IN ('failed', 'lost')
+    ORDER BY r.started_at DESC LIMIT 1
 ) bad ON true
 LEFT JOIN claim ON claim.name = j.name
 LEFT JOIN episodes ON episodes.name = j.name
