@@ -18,7 +18,7 @@ HEALTH_BOUNDS = "SET LOCAL lock_timeout = '5s'; SET LOCAL statement_timeout = '3
 _CLAIMS = quote_name("django_pglock_scheduleclaim")
 _EPISODES = quote_name("django_pglock_jobepisode")
 
-# Times travel as timestamptz, fetched in binary (see health._fetch): psycopg turns those
+# Times travel as timestamptz, fetched in binary (see health_reads.read_rows): psycopg turns those
 # into datetimes in C, cheaper than any conversion in Python.
 _RUN = "r.name, r.outcome, r.started_at, r.finished_at, r.duration, r.host"
 
