@@ -8,14 +8,18 @@ job names with ``--runs`` runs each (succeeded, failed, lost, skipped, spread ov
 last days), a schedule claim with a cron expression for every fifth job, a declared
 ``JOBS`` entry for every tenth, and 50 locks held. Then, per round:
 
-* ``floor``: bare psycopg runs the health statement (``sql.JOB_HEALTH``) and fetches it;
+* ``server``: the statement's execution time on the server (``EXPLAIN (ANALYZE, TIMING
+  OFF)``), without sending the rows;
+* ``floor``: bare psycopg runs the health statement (``sql.JOB_HEALTH``) and fetches it in
+  binary, as ``job_health`` does;
 * ``job_health()``: the whole answer, as the command, the view and the metrics get it
   (the statement, the abandoned check of advisory holders, the states and next due
   starts in Python), without announcing episodes;
 
-and prints the median time of each, its ratio to the floor, the statements one call
-sends, and the plan's total time with the indexes it used. The database is dropped at
-the end.
+and prints the median time of each, its ratio to the floor, the breakdown (server; fetch:
+the floor less the server; Python and the other statements: ``job_health`` less the
+floor), the statements one call sends, and the indexes the plan used. The database is
+dropped at the end.
 """
 
 from __future__ import annotations
@@ -119,12 +123,15 @@ def run(args: argparse.Namespace, url: str, dbname: str) -> dict[str, Any]:
     declared = {f"job-{j}": {"every": "1h", "max_duration": "1h"} for j in range(1, args.jobs, 10)}
     config = {**getattr(settings, "DJANGO_PGLOCK", {}), "JOBS": declared}
     floor_params = {"declared": list(declared)}
-    times: dict[str, list[float]] = {"floor": [], "job_health": []}
+    times: dict[str, list[float]] = {"server": [], "floor": [], "job_health": []}
+    explain = "EXPLAIN (ANALYZE, TIMING OFF, FORMAT JSON) " + sql.JOB_HEALTH
     with override_settings(DJANGO_PGLOCK=config):
         job_health(announce=False)  # warm-up: plans, cronsim, connections
         for _ in range(args.rounds):
+            server = floor.execute(explain, floor_params).fetchone()[0][0]
+            times["server"].append(server["Execution Time"] / 1000)
             started = time.perf_counter()
-            rows = floor.execute(sql.JOB_HEALTH, floor_params).fetchall()
+            rows = floor.execute(sql.JOB_HEALTH, floor_params, binary=True).fetchall()
             times["floor"].append(time.perf_counter() - started)
             started = time.perf_counter()
             jobs = job_health(announce=False)
@@ -141,6 +148,7 @@ def run(args: argparse.Namespace, url: str, dbname: str) -> dict[str, Any]:
     states: dict[str, int] = {}
     for job in jobs:
         states[job.state] = states.get(job.state, 0) + 1
+    server_ms = statistics.median(times["server"]) * 1000
     floor_ms = statistics.median(times["floor"]) * 1000
     ours_ms = statistics.median(times["job_health"]) * 1000
     return {
@@ -148,6 +156,7 @@ def run(args: argparse.Namespace, url: str, dbname: str) -> dict[str, Any]:
         "rows_in_history": args.jobs * args.runs,
         "statement_rows": len(rows),
         "rounds": args.rounds,
+        "server_ms": round(server_ms, 2),
         "floor_ms": round(floor_ms, 2),
         "job_health_ms": round(ours_ms, 2),
         "ratio": round(ours_ms / floor_ms, 2),
@@ -174,6 +183,11 @@ def print_report(report: dict[str, Any]) -> None:
     print(
         f"  job_health()                              : {report['job_health_ms']:8.2f} ms"
         f"  ({report['ratio']:.2f}x the floor)"
+    )
+    server, floor, ours = report["server_ms"], report["floor_ms"], report["job_health_ms"]
+    print(
+        f"  breakdown: server {server:.1f} ms, fetch {floor - server:.1f} ms, "
+        f"Python and the other statements {ours - floor:.1f} ms"
     )
     print(f"  statements per call: {report['statements_per_call']}")
     print(f"  plan execution (EXPLAIN ANALYZE): {report['plan_execution_ms']:.2f} ms")

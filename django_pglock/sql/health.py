@@ -18,37 +18,40 @@ HEALTH_BOUNDS = "SET LOCAL lock_timeout = '5s'; SET LOCAL statement_timeout = '3
 _CLAIMS = quote_name("django_pglock_scheduleclaim")
 _EPISODES = quote_name("django_pglock_jobepisode")
 
-# Times travel as seconds since the epoch: turning a thousand rows of timestamps into
-# datetimes from their text form costs more than the statement itself.
-_EPOCH = "extract(epoch FROM {})::float8"
+# Times travel as timestamptz, fetched in binary (see health_reads.read_rows): psycopg turns those
+# into datetimes in C, cheaper than any conversion in Python.
+_RUN = "r.name, r.outcome, r.started_at, r.finished_at, r.duration, r.host"
 
-# The distinct names of the run history by a loose index scan (one index probe per name,
-# on django_pglock_run_name_idx), not a scan of every row. Each job's last run, last
-# success and last failure come from the same index or its two partial ones.
+# The distinct names of the run history by a loose index scan on django_pglock_run_name_idx
+# (one probe per name, not a scan of every row), each probe bringing that name's newest run.
+# A job's last run is that one unless it was skipped (then one more probe, on the same
+# index). Its last success is the last run when that run succeeded (health.py reads it
+# there; the column is NULL), else one probe on the partial index run_ok_idx; its last
+# failure likewise, on run_bad_idx. A `WHERE` on the outer row alone is a one-time filter:
+# a probe that is not needed does not run. Columns that are NULL cost nothing to fetch.
 JOB_HEALTH = f"""
-WITH RECURSIVE run_names AS (
-    (SELECT name FROM {_RUNS} ORDER BY name LIMIT 1)
+WITH RECURSIVE newest AS (
+    (SELECT {_RUN} FROM {_RUNS} r ORDER BY r.name, r.started_at DESC LIMIT 1)
     UNION ALL
-    SELECT (SELECT r.name FROM {_RUNS} r WHERE r.name > n.name ORDER BY r.name LIMIT 1)
-    FROM run_names n WHERE n.name IS NOT NULL
+    SELECT next.* FROM newest n JOIN LATERAL (
+        SELECT {_RUN} FROM {_RUNS} r
+        WHERE r.name > n.name ORDER BY r.name, r.started_at DESC LIMIT 1
+    ) next ON true
 ), claim AS (
     SELECT DISTINCT ON (c.name) c.name, c.slot, c.schedule FROM {_CLAIMS} c
     ORDER BY c.name, c.slot DESC
 ), episodes AS (
     SELECT e.name, array_agg(e.kind ORDER BY e.kind) AS kinds FROM {_EPISODES} e GROUP BY e.name
 ), jobs AS (
-    SELECT name FROM run_names WHERE name IS NOT NULL
+    SELECT name FROM newest
     UNION SELECT unnest(%(declared)s::varchar[])
     UNION SELECT name FROM claim WHERE schedule <> ''
     UNION SELECT name FROM episodes  -- an episode outlives its history: judged, it closes
 )
-SELECT j.name, {_EPOCH.format("now()")},
-       last.outcome, {_EPOCH.format("last.started_at")}, {_EPOCH.format("last.finished_at")},
-       last.duration, last.host,
-       {_EPOCH.format("ok.started_at")}, {_EPOCH.format("ok.finished_at")},
-       {_EPOCH.format("bad.at")}, bad.outcome,
-       {_EPOCH.format("claim.slot")}, claim.schedule,
-       held.token, held.host, held.pid, {_EPOCH.format("held.acquired_at")},
+SELECT j.name, now(),
+       last.outcome, last.started_at, last.finished_at, last.duration, last.host,
+       ok.at, bad.at, claim.slot, claim.schedule,
+       held.token, held.host, held.pid, held.acquired_at,
        extract(epoch FROM now() - held.acquired_at)::float8,
        CASE WHEN held.name IS NULL THEN NULL
             WHEN now() - held.last_heartbeat > held.stale_after * interval '1 second'
@@ -59,17 +62,25 @@ SELECT j.name, {_EPOCH.format("now()")},
        held.advisory,
        coalesce(episodes.kinds, ARRAY[]::varchar[])
 FROM jobs j
+LEFT JOIN newest n ON n.name = j.name
 LEFT JOIN LATERAL (
-    SELECT r.outcome, r.started_at, r.finished_at, r.duration, r.host FROM {_RUNS} r
-    WHERE r.name = j.name AND r.outcome <> 'skipped' ORDER BY r.started_at DESC LIMIT 1
+    SELECT n.outcome, n.started_at, n.finished_at, n.duration, n.host
+    WHERE n.outcome <> 'skipped'
+    UNION ALL
+    (SELECT r.outcome, r.started_at, r.finished_at, r.duration, r.host FROM {_RUNS} r
+     WHERE n.outcome = 'skipped' AND r.name = j.name AND r.outcome <> 'skipped'
+     ORDER BY r.started_at DESC LIMIT 1)
 ) last ON true
 LEFT JOIN LATERAL (
-    SELECT r.started_at, r.finished_at FROM {_RUNS} r
-    WHERE r.name = j.name AND r.outcome = 'succeeded' ORDER BY r.started_at DESC LIMIT 1
+    SELECT coalesce(r.finished_at, r.started_at) AS at FROM {_RUNS} r
+    WHERE last.outcome <> 'succeeded' AND r.name = j.name AND r.outcome = 'succeeded'
+    ORDER BY r.started_at DESC LIMIT 1
 ) ok ON true
 LEFT JOIN LATERAL (
-    SELECT coalesce(r.finished_at, r.started_at) AS at, r.outcome FROM {_RUNS} r
-    WHERE r.name = j.name AND r.outcome IN ('failed', 'lost') ORDER BY r.started_at DESC LIMIT 1
+    SELECT coalesce(r.finished_at, r.started_at) AS at FROM {_RUNS} r
+    WHERE last.outcome NOT IN ('failed', 'lost') AND r.name = j.name
+      AND r.outcome IN ('failed', 'lost')
+    ORDER BY r.started_at DESC LIMIT 1
 ) bad ON true
 LEFT JOIN claim ON claim.name = j.name
 LEFT JOIN episodes ON episodes.name = j.name
