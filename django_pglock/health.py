@@ -192,7 +192,7 @@ def _judge(
         }
         if lock_state == "stale":
             token = None  # its next contender reclaims it: judged as if nobody held it
-    if holder is not None and (name, holder["token"]) in abandoned:
+    if holder is not None and (row[19], holder["token"]) in abandoned:
         state, detail = "abandoned", "its holder is gone; the next contender takes it at once"
     elif token is not None and spec.max_duration is not None and held_for > spec.max_duration:
         state = "too-long"
@@ -253,7 +253,7 @@ def job_health(using: str | None = None, *, announce: bool = True) -> list[JobHe
     declared = declared_jobs()
     with transaction.atomic(using=alias):
         rows = read_rows(alias, declared)
-        held = [(r[0], r[11]) for r in rows if r[11] is not None and r[17]]
+        held = [(r[19], r[11]) for r in rows if r[11] is not None and r[17]]
         abandoned = gone_holders(alias, held)
         memo: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # all rows share now()
         judged = []

@@ -129,6 +129,25 @@ def test_a_killed_advisory_holder_makes_its_job_abandoned(procs):
         wait_until(lambda: health_of(name).state == "abandoned", 30, "never abandoned")
 
 
+def test_a_semaphore_job_held_only_in_a_higher_slot_is_running_then_abandoned(procs):
+    """A semaphore's slots above the first are rows of their own: a job held only there
+    is running, and abandoned once that holder is gone."""
+    name = unique("slots")
+    first = procs.child("hold", "--name", name, "--limit", "2")
+    first.expect("ACQUIRED")
+    second = procs.child("hold", "--name", name, "--limit", "2")
+    second.expect("ACQUIRED")
+    first.send("release")
+    first.expect("RELEASED")
+    with jobs(**{name: {}}):
+        found = health_of(name)
+        assert found.state == "running", found.detail
+        assert found.holder["pid"] == second.pid
+        os.kill(second.popen.pid, signal.SIGKILL)
+        wait_until(lambda: pid_gone(second.popen.pid), 30, "holder did not die")
+        wait_until(lambda: health_of(name).state == "abandoned", 30, "never abandoned")
+
+
 def test_an_undeclared_scheduled_job_is_known_from_its_claim(procs):
     name = unique("claimed")
     run(procs, name, 0, "--schedule", "0 0 1 1 *")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .names import RUNS as _RUNS
 from .names import TABLE_SQL as _T
+from .names import base_name_sql
 from .names import quote_name
 
 __all__ = ["EPISODE_CLOSE", "EPISODE_OPEN", "HEALTH_BOUNDS", "JOB_HEALTH"]
@@ -42,6 +43,10 @@ WITH RECURSIVE newest AS (
     ORDER BY c.name, c.slot DESC
 ), episodes AS (
     SELECT e.name, array_agg(e.kind ORDER BY e.kind) AS kinds FROM {_EPISODES} e GROUP BY e.name
+), held AS (
+    -- Each lock's holder: a semaphore's oldest (its slots are rows of their own).
+    SELECT DISTINCT ON (1) {base_name_sql("h.name")} AS job, h.* FROM {_T} h
+    ORDER BY 1, h.acquired_at
 ), jobs AS (
     SELECT name FROM newest
     UNION SELECT unnest(%(declared)s::varchar[])
@@ -60,7 +65,7 @@ SELECT j.name, now(),
                 THEN 'alert'
             ELSE 'ok' END,
        held.advisory,
-       coalesce(episodes.kinds, ARRAY[]::varchar[])
+       coalesce(episodes.kinds, ARRAY[]::varchar[]), held.name
 FROM jobs j
 LEFT JOIN newest n ON n.name = j.name
 LEFT JOIN LATERAL (
@@ -84,7 +89,7 @@ LEFT JOIN LATERAL (
 ) bad ON true
 LEFT JOIN claim ON claim.name = j.name
 LEFT JOIN episodes ON episodes.name = j.name
-LEFT JOIN {_T} held ON held.name = j.name
+LEFT JOIN held ON held.job = j.name
 ORDER BY j.name
 """
 
