@@ -106,7 +106,12 @@ class KeyMixin:
             return held
 
     def _give_back_key(self) -> None:
-        if self._claim_key():
+        # Under the connection's lock from the claim to the unlock: no attempt of another
+        # thread of this process runs between them, so none finds the key unclaimed and
+        # takes it again (advisory locks nest) while this unlock is pending.
+        with self._conn.lock:
+            if not self._claim_key():
+                return
             # If the session ended meanwhile, the key went with it; another lease of
             # this process holding the same key keeps the hold.
             if key_shared(self._conn, self._key, exclude=self):

@@ -283,6 +283,7 @@ class Lock(AttemptMixin):
         async shell's worker thread), so that thread holding the name already is an error.
         """
         first = waiter.attempts == 0
+        waiter.subscribe()  # a blocking one hears a release committed during the attempt
         lease, waiter.holder = self._attempt(first=first, sync=sync, deadline=waiter.bound())
         waiter.answered()
         waiter.attempts += 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,8 @@ class Waiter:
         self.wake: Wake | None = None  # woken when the name is freed (see .wakeups)
         self.heard = False  # the lock session listens: a release wakes this waiter
         self.retry_now = False  # it just started listening: a release may have been missed
+        self.over = False  # done(): never subscribed again (an attempt may still be running)
+        self._subscribing = threading.Lock()  # subscribe() and done() may race (async shell)
 
     def bound(self) -> float | None:
         """When (``time.monotonic()``) the attempt starting now must have been answered:
@@ -129,21 +132,30 @@ class Waiter:
             delay = min(delay, remaining)
         return delay
 
-    def listen(self) -> None:
-        """After a refused attempt of a blocking acquire: be woken when the name is freed.
-
-        Subscribes once, then makes sure the lock session listens (one ``LISTEN`` per
-        session, only when it does not yet). A session that starts listening now did
-        not hear a release committed before: the next attempt is made at once.
-        """
+    def subscribe(self) -> None:
+        """Before each attempt of a blocking acquire: be woken when the name is freed, from
+        now on. A release that commits while the attempt runs is heard with its answer
+        (when the session listens already) and makes the next sleep end at once; a
+        subscription made after a refusal would have missed it. Never after :meth:`done`."""
         lock = self.lock
         if not self.blocking or lock is None:
             return
+        with self._subscribing:
+            if self.wake is None and not self.over:
+                self.wake = wakeups().subscribe(lock._alias(), lock.name)
+
+    def listen(self) -> None:
+        """After a refused attempt of a blocking acquire: make sure the lock session
+        listens (one ``LISTEN`` per session, only when it does not yet). A session that
+        starts listening now did not hear a release committed before: the next attempt
+        is made at once.
+        """
+        lock = self.lock
+        if self.wake is None or lock is None:
+            return  # not blocking, or the acquire is over (done)
         if self.deadline is not None and time.monotonic() >= self.deadline:
             return  # this wait is over
         alias = lock._alias()
-        if self.wake is None:  # subscribed before listening: nothing heard is missed
-            self.wake = wakeups().subscribe(alias, lock.name)
         state = wakeups().ensure_listening(get_connection(alias), self.bound())
         self.heard = state != OFF
         self.retry_now = self.retry_now or state == STARTED
@@ -168,7 +180,9 @@ class Waiter:
 
     def done(self) -> None:
         """The acquire is over (granted, given up or interrupted): no more wake-ups."""
-        wake, self.wake = self.wake, None
+        with self._subscribing:
+            self.over = True
+            wake, self.wake = self.wake, None
         if wake is not None and self.lock is not None:
             wakeups().unsubscribe(self.lock._alias(), self.lock.name, wake)
 

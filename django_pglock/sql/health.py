@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from .names import RUNS as _RUNS
 from .names import TABLE_SQL as _T
-from .names import base_name_sql
-from .names import quote_name
+from .names import base_name_sql, quote_name
 
 __all__ = ["EPISODE_CLOSE", "EPISODE_OPEN", "HEALTH_BOUNDS", "JOB_HEALTH"]
 

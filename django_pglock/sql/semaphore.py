@@ -17,7 +17,8 @@ own name, so a plain lock of that name is slot 1. The statement is the plain acq
   time, so it stops at the first slot chosen. On the advisory path each candidate's key
   is tried (the key taken is the arbiter, live, not the snapshot): a slot is chosen when
   its key was taken (a free slot, or one whose advisory holder's session has ended), or
-  when its row is stale. On the table path the first slot absent or stale is chosen.
+  when its row is stale; when none is, the first slot without a row is, on the table
+  path (``chosen``). On the table path the first slot absent or stale is chosen.
 * ``fresh`` / ``taken``: the plain acquire's insert (ON CONFLICT DO NOTHING) or reclaim
   (FOR UPDATE SKIP LOCKED, then an UPDATE re-checked on the latest row version) of the
   chosen slot's row. A key taken for a slot that was not granted is given back.
@@ -90,7 +91,15 @@ WITH RECURSIVE gate AS MATERIALIZED (
     WHERE NOT (w.took OR w.pick)
 ), chosen AS MATERIALIZED (
     -- An aggregate reads the whole walk: every step runs, and at most the last one took.
-    SELECT max(slot) FILTER (WHERE took OR pick) AS slot, bool_or(took) AS took FROM walk
+    -- No key taken and no stale slot: the first slot without a row, granted on the table
+    -- path as the plain acquire grants a free name whose key it cannot take (an old
+    -- holder that has not yet heard of a forced release holds it; or a grant after this
+    -- snapshot does, and then its row makes the insert do nothing).
+    SELECT coalesce(max(slot) FILTER (WHERE took OR pick),
+                    (SELECT min(c.slot) FROM cur c WHERE NOT c.present AND NOT c.mine))
+               AS slot,
+           bool_or(took) AS took
+    FROM walk
 ), target AS MATERIALIZED (
     SELECT c.slot, c.row_name, c.key, c.present, ch.took FROM chosen ch JOIN cur c
     ON c.slot = ch.slot
