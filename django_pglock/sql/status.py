@@ -88,7 +88,10 @@ SELECT {base_name_sql("name")}, token, holder, host, pid, acquired_at, last_hear
        heartbeat_interval, alert_after, stale_after, advisory, description,
        {STATE_EXPRESSION} AS state,
        {slot_sql("name")} AS slot,
-       {LIMIT_EXPRESSION} AS lock_limit, {HELD_EXPRESSION} AS held
+       first_value(slot_limit) OVER lock AS lock_limit, (count(*) OVER lock)::int AS held
 FROM {_T}
+-- LIMIT_EXPRESSION and HELD_EXPRESSION for every row at once (one sort, not a scan per row).
+WINDOW lock AS (PARTITION BY {base_name_sql("name")} ORDER BY token DESC
+                ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING)
 ORDER BY acquired_at DESC, name
 """
