@@ -122,7 +122,7 @@ def run(args: argparse.Namespace, url: str, dbname: str) -> dict[str, Any]:
     held = [Lock(f"job-{j}").try_acquire() for j in range(1, 51)]
     declared = {f"job-{j}": {"every": "1h", "max_duration": "1h"} for j in range(1, args.jobs, 10)}
     config = {**getattr(settings, "DJANGO_PGLOCK", {}), "JOBS": declared}
-    floor_params = {"declared": list(declared)}
+    floor_params = {"declared": list(declared), "gone_names": [], "gone_tokens": []}
     times: dict[str, list[float]] = {"server": [], "floor": [], "job_health": []}
     explain = "EXPLAIN (ANALYZE, TIMING OFF, FORMAT JSON) " + sql.JOB_HEALTH
     with override_settings(DJANGO_PGLOCK=config):

@@ -29,7 +29,7 @@ from . import signals, sql
 from .conf import get_setting, schedule_tolerance
 from .connection import validate_alias
 from .events import send
-from .health_reads import gone_holders, read_rows
+from .health_reads import gone_holders, read_holders, read_rows
 from .jobspec import DEFAULT_GRACE, JobSpec, declared_jobs
 from .schedule import _cronsim
 
@@ -165,7 +165,6 @@ _new = object.__new__
 def _judge(
     spec: JobSpec,
     row: tuple[Any, ...],
-    abandoned: set[tuple[str, int]],
     memo: dict[tuple[Any, ...], tuple[Any, ...]],
 ) -> JobHealth:
     (name, now, outcome, started, finished, duration, host, success_at, failure_at) = row[:9]
@@ -192,7 +191,7 @@ def _judge(
         }
         if lock_state == "stale":
             token = None  # its next contender reclaims it: judged as if nobody held it
-    if holder is not None and (row[19], holder["token"]) in abandoned:
+    if holder is not None and row[20]:  # its session is gone (sql.ABANDONED)
         state, detail = "abandoned", "its holder is gone; the next contender takes it at once"
     elif token is not None and spec.max_duration is not None and held_for > spec.max_duration:
         state = "too-long"
@@ -244,22 +243,24 @@ def _undeclared(name: str, schedule: str | None) -> JobSpec:
 def job_health(using: str | None = None, *, announce: bool = True) -> list[JobHealth]:
     """Every job's health (declared jobs, scheduled jobs, names with run history), by name.
 
-    Two reads at most, in one transaction bounded like the lock statements (5 s for a
-    lock, 30 s for a statement): the jobs with their runs, claims and holders, then
-    whether the holders on the advisory path are gone. With ``announce``, opens and closes health
-    episodes and sends ``job_overdue`` / ``job_failing`` for the ones it opened.
+    Three round trips, in one transaction bounded like the lock statements (5 s for a
+    lock, 30 s for a statement): the grants on the advisory path, which of them are gone
+    (skipped when there are none), then the jobs with their runs, claims and holders (a
+    semaphore job's holder is a live one of its slots when there is one). With
+    ``announce``, opens and closes health episodes and sends ``job_overdue`` /
+    ``job_failing`` for the ones it opened.
     """
     alias = validate_alias(using if using is not None else get_setting("DATABASE"))
     declared = declared_jobs()
     with transaction.atomic(using=alias):
-        rows = read_rows(alias, declared)
-        held = [(r[19], r[11]) for r in rows if r[11] is not None and r[17]]
-        abandoned = gone_holders(alias, held)
+        # Gone holders first: a semaphore job is judged by a live holder of its slots.
+        abandoned = gone_holders(alias, read_holders(alias))
+        rows = read_rows(alias, declared, abandoned)
         memo: dict[tuple[Any, ...], tuple[Any, ...]] = {}  # all rows share now()
         judged = []
         for row in rows:
             spec = declared.get(row[0]) or _undeclared(row[0], row[10] or None)
-            judged.append(_judge(spec, row, abandoned, memo))
+            judged.append(_judge(spec, row, memo))
         if announce:
             _announce(alias, judged)
     return judged

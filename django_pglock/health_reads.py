@@ -1,6 +1,6 @@
-"""The two reads of job health (see :mod:`.health`): the jobs with their runs, claims and
-holders (``sql.JOB_HEALTH``, read in binary), and which holders on the advisory path are
-gone (``sql.ABANDONED``)."""
+"""The reads of job health (see :mod:`.health`): the grants on the advisory path and which
+of them are gone (``sql.ABANDONED``), then the jobs with their runs, claims and holders
+(``sql.JOB_HEALTH``, read in binary)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,25 @@ from django.utils import timezone
 from . import sql
 from .jobspec import JobSpec
 
-__all__ = ["gone_holders", "read_rows"]
+__all__ = ["gone_holders", "read_holders", "read_rows"]
 
 # The statement's columns that are times (timestamptz).
 _TIMES = (1, 3, 4, 7, 8, 9, 14)
 
 
-def read_rows(alias: str, declared: dict[str, JobSpec]) -> list[tuple[Any, ...]]:
+def read_holders(alias: str) -> list[tuple[str, int]]:
+    """Bound the transaction's statements (``sql.HEALTH_BOUNDS``) and read the grants on
+    the advisory path, in one round trip: the candidates for :func:`gone_holders`."""
+    with connections[alias].cursor() as cursor:
+        cursor.execute(f"{sql.HEALTH_BOUNDS}; {sql.ADVISORY_ROWS}")
+        while cursor.description is None and cursor.nextset():
+            pass  # past the SET LOCALs' results
+        return [(name, token) for name, token in cursor.fetchall()]
+
+
+def read_rows(
+    alias: str, declared: dict[str, JobSpec], gone: set[tuple[str, int]]
+) -> list[tuple[Any, ...]]:
     """The rows of ``sql.JOB_HEALTH``, its times as aware datetimes in UTC.
 
     Read in binary: psycopg builds the datetimes in C, where Django's cursors (which bind
@@ -28,8 +40,6 @@ def read_rows(alias: str, declared: dict[str, JobSpec]) -> list[tuple[Any, ...]]
     wrapped as Django wraps its own, so execute wrappers and query logging see the statement.
     """
     connection = connections[alias]
-    with connection.cursor() as cursor:
-        cursor.execute(sql.HEALTH_BOUNDS)
     raw = connection.connection
     if isinstance(raw, psycopg.Connection):
         binary: psycopg.Cursor[Any] = psycopg.Cursor(raw)
@@ -40,7 +50,12 @@ def read_rows(alias: str, declared: dict[str, JobSpec]) -> list[tuple[Any, ...]]
     else:  # pragma: no cover - Django picks psycopg 3 whenever it is installed, as here
         wrapped = connection.cursor()
     with wrapped as cursor:
-        cursor.execute(sql.JOB_HEALTH, {"declared": list(declared)})
+        params: dict[str, Any] = {
+            "declared": list(declared),
+            "gone_names": [name for name, _ in gone],
+            "gone_tokens": [token for _, token in gone],
+        }
+        cursor.execute(sql.JOB_HEALTH, params)
         rows: list[tuple[Any, ...]] = cursor.fetchall()
     if rows and rows[0][1].tzinfo is not datetime.timezone.utc:
         # The session's time zone is not UTC (USE_TZ = False): the same instants, in UTC.

@@ -43,9 +43,15 @@ WITH RECURSIVE newest AS (
 ), episodes AS (
     SELECT e.name, array_agg(e.kind ORDER BY e.kind) AS kinds FROM {_EPISODES} e GROUP BY e.name
 ), held AS (
-    -- Each lock's holder: a semaphore's oldest (its slots are rows of their own).
-    SELECT DISTINCT ON (1) {base_name_sql("h.name")} AS job, h.* FROM {_T} h
-    ORDER BY 1, h.acquired_at
+    -- Each lock's holder. A semaphore's slots are rows of their own: its live holder that
+    -- has held longest (one whose session is gone, in `gone`, or that is stale only when
+    -- no other holds a slot), so a dead or stale slot never hides a live run.
+    SELECT DISTINCT ON (1) {base_name_sql("h.name")} AS job, h.*,
+           (h.name, h.token) IN (SELECT * FROM unnest(
+               %(gone_names)s::varchar[], %(gone_tokens)s::bigint[])) AS gone
+    FROM {_T} h
+    ORDER BY 1, gone, now() - h.last_heartbeat > h.stale_after * interval '1 second',
+             h.acquired_at
 ), jobs AS (
     SELECT name FROM newest
     UNION SELECT unnest(%(declared)s::varchar[])
@@ -64,7 +70,7 @@ SELECT j.name, now(),
                 THEN 'alert'
             ELSE 'ok' END,
        held.advisory,
-       coalesce(episodes.kinds, ARRAY[]::varchar[]), held.name
+       coalesce(episodes.kinds, ARRAY[]::varchar[]), held.name, held.gone
 FROM jobs j
 LEFT JOIN newest n ON n.name = j.name
 LEFT JOIN LATERAL (

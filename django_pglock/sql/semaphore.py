@@ -93,10 +93,11 @@ WITH RECURSIVE gate AS MATERIALIZED (
     -- An aggregate reads the whole walk: every step runs, and at most the last one took.
     -- No key taken and no stale slot: the first slot without a row, granted on the table
     -- path as the plain acquire grants a free name whose key it cannot take (an old
-    -- holder that has not yet heard of a forced release holds it; or a grant after this
-    -- snapshot does, and then its row makes the insert do nothing).
+    -- holder that has not yet heard of a forced release holds it, in another process or
+    -- in this one; or a grant after this snapshot does, and then its row makes the
+    -- insert do nothing).
     SELECT coalesce(max(slot) FILTER (WHERE took OR pick),
-                    (SELECT min(c.slot) FROM cur c WHERE NOT c.present AND NOT c.mine))
+                    (SELECT min(c.slot) FROM cur c WHERE NOT c.present))
                AS slot,
            bool_or(took) AS took
     FROM walk
