@@ -202,9 +202,12 @@ class Lock(AttemptMixin):
             mine = self._held_by_this_thread()
             if mine is not None:
                 raise self._held_here(mine)
-            raise LockNotAcquired(
-                f"Lock {self.name!r} is held by another process; try again later."
+            held = (
+                "held by another process"
+                if self.limit == 1
+                else f"full ({self.limit} of {self.limit} held)"
             )
+            raise LockNotAcquired(f"Lock {self.name!r} is {held}; try again later.")
         return lease
 
     def _held_by_this_thread(self) -> Lease | None:

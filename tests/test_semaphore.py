@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from django_pglock import Lock, LockNotHeld, sql
+from django_pglock import Lock, LockNotAcquired, LockNotHeld, sql
 from django_pglock.operations import force_release
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("clean_locks")]
@@ -89,6 +89,15 @@ def test_release_of_one_slot_leaves_the_others(db):
         b.check()
     a.check()
     assert [s for s, *_ in rows(db, "sem-force")] == [1]
+
+
+def test_acquire_or_raise_on_a_full_semaphore_says_it_is_full(db):
+    lock = Lock("sem-full", limit=2)
+    held = [lock.acquire_or_raise(), lock.acquire_or_raise()]
+    with pytest.raises(LockNotAcquired, match=r"Lock 'sem-full' is full \(2 of 2 held\)"):
+        lock.acquire_or_raise()
+    for lease in held:
+        lease.release()
 
 
 @pytest.mark.parametrize(
