@@ -30,14 +30,12 @@ once more with a new statement, rather than refuse while slots are free.
 
 from __future__ import annotations
 
-from .acquire import _RUN_STARTED
+from .acquire import _GATE_LOCK, _RUN_STARTED
 from .names import SEQUENCE
 from .names import TABLE_SQL as _T
 
 __all__ = ["SEMAPHORE", "SEMAPHORE_RECORDED", "UNLOCK_STRAY_SLOTS"]
 
-_GATE_LOCK = """pg_advisory_xact_lock(
-        (%(key)s::bigint >> 32)::int4, ((%(key)s::bigint << 32) >> 32)::int4)"""
 
 _HELD_HERE = """EXISTS (
         SELECT 1 FROM pg_locks l
