@@ -316,6 +316,34 @@ def test_transaction_mode_with_default_settings(transaction_pool, db, procs, log
     contend_and_judge(procs, worker_env(transaction_pool.url()), name, log, "tx, defaults")
 
 
+@pytest.mark.parametrize("pglock", [None, TABLE_ONLY], ids=["defaults", "advisory-off"])
+def test_transaction_mode_a_blocking_waiter_is_granted_by_its_poll(
+    transaction_pool, db, procs, log, pglock
+):
+    """Behind a transaction pooler notifications cannot reach a waiter (its LISTEN would
+    hold on to whichever server connection ran it): waiting polls, and a waiter is granted
+    within its poll interval of the release, never later, and never beside the holder."""
+    name = unique("tx-wait")
+    env = worker_env(transaction_pool.url(), pglock=pglock)
+    holder = start_job(procs, env, name, log, "--once", hold="2", poll=0.2)
+    first = granted(holder)
+    waiter = start_job(procs, env, name, log, "--once", hold="0", poll=1.0)
+    holder.expect("LEFT", timeout=30)
+    released_at = time.monotonic()
+    second = granted(waiter, timeout=30)
+    waited = time.monotonic() - released_at
+    print(f"[measure] pgbouncer transaction, waiter granted {waited:.2f} s after the release")
+    assert second > first
+    assert waited < 10.0, f"the waiter was granted {waited:.1f} s after the release (poll 1 s)"
+    assert_exclusive(grants(read_log(log)))
+    bad = [
+        line
+        for line in faultkit.alarming_stderr(stderr_of([holder, waiter]))
+        if POOLER_WARNING not in line
+    ]
+    assert not bad, "\n".join(bad[:20])
+
+
 def test_transaction_mode_per_lock_advisory_false_with_default_settings(
     transaction_pool, db, procs, log
 ):
