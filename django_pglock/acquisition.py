@@ -11,11 +11,11 @@ if TYPE_CHECKING:
     from .lock import Lock
     from .waiting import Waiter
 
-__all__ = ["Acquisition"]
+__all__ = ["Acquisition", "AcquisitionBase"]
 
 
-class Acquisition(AbstractContextManager["Lease | None"]):
-    """What ``Lock.acquire()`` returns: acquires on enter, releases on exit."""
+class AcquisitionBase:
+    """What the sync and async acquisitions share: the lock, its waiter, the lease."""
 
     def __init__(self, lock: Lock, waiter: Waiter) -> None:
         self._lock = lock
@@ -26,6 +26,10 @@ class Acquisition(AbstractContextManager["Lease | None"]):
     def holder(self) -> dict[str, Any] | None:
         """The holder that made the last attempt fail (``None`` if none is known)."""
         return self._waiter.current_holder()
+
+
+class Acquisition(AcquisitionBase, AbstractContextManager["Lease | None"]):
+    """What ``Lock.acquire()`` returns: acquires on enter, releases on exit."""
 
     def __enter__(self) -> Lease | None:
         self.lease = self._lock._acquire(self._waiter)

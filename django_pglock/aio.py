@@ -12,14 +12,13 @@ import functools
 import threading
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from .acquisition import AcquisitionBase
 from .exceptions import DatabaseUnavailable
 
 if TYPE_CHECKING:
     from .lease import Lease
-    from .lock import Lock
-    from .waiting import Waiter
 
 __all__ = ["AsyncAcquisition"]
 
@@ -55,18 +54,8 @@ class _Handoff:
             lease._abandon()  # granted, but cancelled before the task got it
 
 
-class AsyncAcquisition:
+class AsyncAcquisition(AcquisitionBase):
     """What ``Lock.acquire_async()`` returns: ``async with`` yields a Lease or ``None``."""
-
-    def __init__(self, lock: Lock, waiter: Waiter) -> None:
-        self._lock = lock
-        self._waiter = waiter
-        self.lease: Lease | None = None
-
-    @property
-    def holder(self) -> dict[str, Any] | None:
-        """The holder that made the last attempt fail (``None`` if none is known)."""
-        return self._waiter.current_holder()
 
     async def __aenter__(self) -> Lease | None:
         waiter = self._waiter

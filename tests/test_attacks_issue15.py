@@ -18,6 +18,7 @@ import django_pglock.wakeups as wakeups
 from django_pglock import Lock, signals, sql
 from django_pglock.connection import get_connection
 from django_pglock.health import job_health
+from tests import faultkit
 from tests.subprocs import wait_until
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("clean_locks")]
@@ -258,8 +259,7 @@ def test_force_release_of_a_slot_row_in_the_browser(live_server, procs):
     from django_pglock.models import JobLock
     from tests.test_browser import CHROMIUM, TIMEOUT_MS, chromium
 
-    if CHROMIUM is None:
-        pytest.skip("Chromium is not installed")
+    faultkit.require(CHROMIUM is not None, "Chromium is not installed (apt-get install chromium)")
     User.objects.create_superuser("ops15", "ops@example.com", "ops-password-not-secret")
     name = unique("browser")
     lock = Lock(name, limit=2, **QUIET)
