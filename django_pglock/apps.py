@@ -13,10 +13,15 @@ class SingletonJobsConfig(AppConfig):
 
     def ready(self) -> None:
         from django.core import checks as django_checks
+        from django.db.models.signals import post_migrate
 
-        from . import checks, testdb
+        from . import checks, testdb, unmigrated
 
         django_checks.register(checks.check_settings)
         django_checks.register(checks.check_database, django_checks.Tags.database)
         # Lock sessions close before Django creates or drops a (test) database.
         testdb.connect()
+        # Tables built without the migrations (tests) get what those add in SQL.
+        post_migrate.connect(
+            unmigrated.complete, sender=self, dispatch_uid="django_pglock.unmigrated"
+        )

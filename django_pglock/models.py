@@ -171,3 +171,37 @@ class JobEpisode(models.Model):
 
     def __str__(self) -> str:
         return f"{self.name} {self.kind} since {self.since.isoformat(timespec='seconds')}"
+
+
+class JobSummary(models.Model):
+    """One row per job with run history or schedule claims: its last run, last success,
+    last failure and latest claim, as job health reads them.
+
+    Kept by database triggers on ``JobRun`` and ``ScheduleClaim`` (see
+    :mod:`django_pglock.sql.summary`), whoever writes those; never written from Python.
+    """
+
+    name = models.CharField(max_length=255, primary_key=True)
+    has_runs = models.BooleanField(default=False)
+    last_id = models.BigIntegerField(null=True, blank=True)
+    last_outcome = models.CharField(max_length=16, null=True, blank=True)
+    last_started_at = models.DateTimeField(null=True, blank=True)
+    last_finished_at = models.DateTimeField(null=True, blank=True)
+    last_duration = models.FloatField(null=True, blank=True)
+    last_host = models.CharField(max_length=255, null=True, blank=True)
+    success_id = models.BigIntegerField(null=True, blank=True)
+    success_started_at = models.DateTimeField(null=True, blank=True)
+    success_at = models.DateTimeField(null=True, blank=True)
+    failure_id = models.BigIntegerField(null=True, blank=True)
+    failure_started_at = models.DateTimeField(null=True, blank=True)
+    failure_at = models.DateTimeField(null=True, blank=True)
+    claim_slot = models.DateTimeField(null=True, blank=True)
+    claim_schedule = models.CharField(max_length=255, null=True, blank=True)
+
+    class Meta:
+        db_table = "django_pglock_jobsummary"
+        verbose_name = "job summary"
+        verbose_name_plural = "job summaries"
+
+    def __str__(self) -> str:
+        return self.name
