@@ -18,8 +18,12 @@ last days), a schedule claim with a cron expression for every fifth job, a decla
 
 and prints the median time of each, its ratio to the floor, the breakdown (server; fetch:
 the floor less the server; Python and the other statements: ``job_health`` less the
-floor), the statements one call sends, and the indexes the plan used. The database is
-dropped at the end.
+floor), the statements one call sends, and the indexes the plan used.
+
+What the summaries cost where runs are written: a recorded cycle (``Lock(record=True)``:
+acquire, which starts a run, and release, which finishes it) and a recorded skip, each
+timed in alternating blocks with the summary triggers enabled and disabled (``ALTER TABLE
+.. DISABLE TRIGGER``), medians of the blocks. The database is dropped at the end.
 """
 
 from __future__ import annotations
@@ -144,6 +148,7 @@ def run(args: argparse.Namespace, url: str, dbname: str) -> dict[str, Any]:
     for lease in held:
         if lease is not None:
             lease.release()
+    writes = _write_costs(floor, args.rounds)
     floor.close()
     states: dict[str, int] = {}
     for job in jobs:
@@ -164,6 +169,49 @@ def run(args: argparse.Namespace, url: str, dbname: str) -> dict[str, Any]:
         "plan_execution_ms": plan.get("Execution Time"),
         "indexes": sorted(_indexes(plan["Plan"])),
         "states": states,
+        **writes,
+    }
+
+
+_TRIGGERS = (
+    "ALTER TABLE django_pglock_jobrun {0} TRIGGER USER;"
+    " ALTER TABLE django_pglock_scheduleclaim {0} TRIGGER USER"
+)
+
+
+def _write_costs(floor: Any, rounds: int, per_block: int = 100) -> dict[str, Any]:
+    """Microseconds per recorded cycle and per recorded skip, with the summary triggers
+    and without them (alternating blocks of ``per_block``)."""
+    from django_pglock import Lock
+
+    holder = Lock("bench-write-held").try_acquire()
+    times: dict[str, list[float]] = {
+        "cycle_on": [], "cycle_off": [], "skip_on": [], "skip_off": []
+    }  # fmt: skip
+    try:
+        for block in range(2 * rounds):
+            state = "on" if block % 2 == 0 else "off"
+            floor.execute(_TRIGGERS.format("ENABLE" if state == "on" else "DISABLE"))
+            started = time.perf_counter()
+            for _ in range(per_block):
+                lease = Lock("bench-write", record=True).try_acquire()
+                assert lease is not None
+                lease.release()
+            times[f"cycle_{state}"].append((time.perf_counter() - started) / per_block)
+            started = time.perf_counter()
+            for _ in range(per_block):
+                assert Lock("bench-write-held", record=True).try_acquire() is None
+            times[f"skip_{state}"].append((time.perf_counter() - started) / per_block)
+    finally:
+        floor.execute(_TRIGGERS.format("ENABLE"))
+        if holder is not None:
+            holder.release()
+    us = {key: statistics.median(values) * 1e6 for key, values in times.items()}
+    return {
+        "recorded_cycle_us": round(us["cycle_on"], 1),
+        "recorded_cycle_without_summary_us": round(us["cycle_off"], 1),
+        "refused_us": round(us["skip_on"], 1),
+        "refused_without_summary_us": round(us["skip_off"], 1),
     }
 
 
@@ -193,6 +241,13 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"  plan execution (EXPLAIN ANALYZE): {report['plan_execution_ms']:.2f} ms")
     print(f"  indexes used: {', '.join(report['indexes'])}")
     print(f"  states: {report['states']}")
+    on, off = report["recorded_cycle_us"], report["recorded_cycle_without_summary_us"]
+    print(
+        f"  a recorded cycle (acquire + release): {on:.0f} us with the summary triggers, "
+        f"{off:.0f} us without ({on / off:.2f}x)"
+    )
+    on, off = report["refused_us"], report["refused_without_summary_us"]
+    print(f"  a refused recorded acquire: {on:.0f} us with, {off:.0f} us without ({on / off:.2f}x)")
 
 
 if __name__ == "__main__":

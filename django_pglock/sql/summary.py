@@ -18,7 +18,9 @@ How the triggers keep it right under concurrency:
   name order (so a writer that got there first commits before the recount) and then
   recounts from the history with fresh snapshots (a PL/pgSQL function takes one per
   statement). A writer that comes later merges its own row on top.
-* Several jobs in one statement are locked in name order, as every writer does.
+* Inserts and updates are merged by row triggers: a lock statement writes one run, and
+  a statement that writes none (a refused acquire) costs nothing. Deletes are recounted
+  by a statement trigger, the jobs of the deleted rows in name order.
 
 The statements below are the current version; ``migrations/0008_job_summary`` installs
 them. Changing them takes a new migration (and the old text frozen into 0008).
@@ -49,6 +51,9 @@ RESUMMARISE = f"""
 CREATE OR REPLACE FUNCTION django_pglock_resummarise(jobs varchar[]) RETURNS void
 LANGUAGE plpgsql AS $$
 BEGIN
+    IF cardinality(jobs) = 0 THEN
+        RETURN;  -- a statement that deleted nothing
+    END IF;
     -- Writers of these jobs that hold their rows commit first; each statement below then
     -- reads the history with a fresh snapshot.
     PERFORM 1 FROM {_SUMMARY} WHERE name = ANY(jobs) ORDER BY name FOR UPDATE;
@@ -100,27 +105,19 @@ def _take(group: str, columns: tuple[str, ...]) -> str:
     )
 
 
-# Every run kind's newest row in the statement's new rows, per job, merged into the jobs'
-# rows in name order.
-_MERGE_RUNS = f"""
-    WITH l AS (
-        SELECT DISTINCT ON (name) * FROM new_runs WHERE outcome <> 'skipped'
-        ORDER BY name, started_at DESC, id DESC
-    ), ok AS (
-        SELECT DISTINCT ON (name) * FROM new_runs WHERE outcome = 'succeeded'
-        ORDER BY name, started_at DESC, id DESC
-    ), bad AS (
-        SELECT DISTINCT ON (name) * FROM new_runs WHERE outcome IN ('failed', 'lost')
-        ORDER BY name, started_at DESC, id DESC
-    )
-    INSERT INTO {_SUMMARY} AS s ({_COLUMNS})
-    SELECT j.name, true, l.id, l.outcome, l.started_at, l.finished_at, l.duration, l.host,
-           ok.id, ok.started_at, coalesce(ok.finished_at, ok.started_at),
-           bad.id, bad.started_at, coalesce(bad.finished_at, bad.started_at), NULL, NULL
-    FROM (SELECT DISTINCT name FROM new_runs) j
-    LEFT JOIN l ON l.name = j.name LEFT JOIN ok ON ok.name = j.name
-    LEFT JOIN bad ON bad.name = j.name
-    ORDER BY j.name
+# A new or changed run, merged into its job's row. (Row by row: a statement of one row,
+# as every lock statement is, costs one plain upsert, and one that wrote no row nothing.)
+_MERGE_RUN = f"""
+    INSERT INTO {_SUMMARY} AS s ({_COLUMNS}) VALUES (
+        NEW.name, true,
+        CASE WHEN is_last THEN NEW.id END, CASE WHEN is_last THEN NEW.outcome END,
+        CASE WHEN is_last THEN NEW.started_at END, CASE WHEN is_last THEN NEW.finished_at END,
+        CASE WHEN is_last THEN NEW.duration END, CASE WHEN is_last THEN NEW.host END,
+        CASE WHEN is_ok THEN NEW.id END, CASE WHEN is_ok THEN NEW.started_at END,
+        CASE WHEN is_ok THEN coalesce(NEW.finished_at, NEW.started_at) END,
+        CASE WHEN is_bad THEN NEW.id END, CASE WHEN is_bad THEN NEW.started_at END,
+        CASE WHEN is_bad THEN coalesce(NEW.finished_at, NEW.started_at) END,
+        NULL, NULL)
     ON CONFLICT (name) DO UPDATE SET
         has_runs = true,
         {_take("last", ("id", "outcome", "started_at", "finished_at", "duration", "host"))},
@@ -128,20 +125,15 @@ _MERGE_RUNS = f"""
         {_take("failure", ("id", "started_at", "at"))}
     WHERE NOT s.has_runs OR {_newer("last")} OR {_newer("success")} OR {_newer("failure")}"""
 
-# The jobs whose stored answer an update may have taken away: a run that answered a
-# question (last run, success, failure) and no longer does, or that moved.
-_CHANGED_RUNS = """
-        SELECT o.name FROM old_runs o JOIN new_runs n ON n.id = o.id
-        WHERE o.name <> n.name OR o.started_at IS DISTINCT FROM n.started_at
-           OR (o.outcome <> 'skipped' AND n.outcome = 'skipped')
-           OR (o.outcome = 'succeeded' AND n.outcome <> 'succeeded')
-           OR (o.outcome IN ('failed', 'lost') AND n.outcome NOT IN ('failed', 'lost'))"""
-
+# Row triggers for inserts and updates, statement triggers (the deleted rows in a
+# transition table, their jobs recounted in name order) for deletes and truncation.
 SUMMARISE_RUNS = f"""
 CREATE OR REPLACE FUNCTION django_pglock_summarise_runs() RETURNS trigger
 LANGUAGE plpgsql AS $$
 DECLARE
-    changed varchar[];
+    is_last boolean;
+    is_ok boolean;
+    is_bad boolean;
 BEGIN
     IF TG_OP = 'TRUNCATE' THEN
         PERFORM django_pglock_resummarise(ARRAY(SELECT name FROM {_SUMMARY}));
@@ -149,13 +141,18 @@ BEGIN
     ELSIF TG_OP = 'DELETE' THEN
         PERFORM django_pglock_resummarise(ARRAY(SELECT DISTINCT name FROM old_runs));
         RETURN NULL;
-    ELSIF TG_OP = 'UPDATE' THEN
-        changed := ARRAY(SELECT DISTINCT name FROM ({_CHANGED_RUNS}) c);
-        IF cardinality(changed) > 0 THEN
-            PERFORM django_pglock_resummarise(changed);
-        END IF;
+    ELSIF TG_OP = 'UPDATE' AND (
+            OLD.name <> NEW.name OR OLD.id <> NEW.id OR OLD.started_at <> NEW.started_at
+            OR (OLD.outcome <> 'skipped' AND NEW.outcome = 'skipped')
+            OR (OLD.outcome = 'succeeded' AND NEW.outcome <> 'succeeded')
+            OR (OLD.outcome IN ('failed', 'lost') AND NEW.outcome NOT IN ('failed', 'lost'))) THEN
+        -- The run may have been its job's answer to a question it no longer answers.
+        PERFORM django_pglock_resummarise(ARRAY[OLD.name]);
     END IF;
-    {_MERGE_RUNS};
+    is_last := NEW.outcome <> 'skipped';
+    is_ok := NEW.outcome = 'succeeded';
+    is_bad := NEW.outcome IN ('failed', 'lost');
+    {_MERGE_RUN};
     RETURN NULL;
 END $$
 """
@@ -169,15 +166,10 @@ BEGIN
     ELSIF TG_OP = 'DELETE' THEN
         PERFORM django_pglock_resummarise(ARRAY(SELECT DISTINCT name FROM old_claims));
     ELSIF TG_OP = 'UPDATE' THEN
-        -- (A claim whose slot or schedule changed: both of its jobs are recounted.)
-        PERFORM django_pglock_resummarise(ARRAY(
-            SELECT DISTINCT unnest(ARRAY[o.name, n.name])
-            FROM old_claims o JOIN new_claims n ON n.id = o.id
-            WHERE o.name <> n.name OR o.slot <> n.slot OR o.schedule <> n.schedule));
+        PERFORM django_pglock_resummarise(ARRAY[OLD.name, NEW.name]);
     ELSE
         INSERT INTO {_SUMMARY} AS s (name, has_runs, claim_slot, claim_schedule)
-        SELECT DISTINCT ON (name) name, false, slot, schedule FROM new_claims
-        ORDER BY name, slot DESC
+        VALUES (NEW.name, false, NEW.slot, NEW.schedule)
         ON CONFLICT (name) DO UPDATE SET
             claim_slot = excluded.claim_slot, claim_schedule = excluded.claim_schedule
         WHERE s.claim_slot IS NULL OR excluded.claim_slot >= s.claim_slot;
@@ -186,18 +178,28 @@ BEGIN
 END $$
 """
 
+# An update fires only when it changes what a summary holds (a claim's holder, say, or a
+# run's exit code, does not).
+_RUN_CHANGED = (
+    "(OLD.name, OLD.id, OLD.outcome, OLD.started_at, OLD.finished_at, OLD.duration, OLD.host)"
+    " IS DISTINCT FROM "
+    "(NEW.name, NEW.id, NEW.outcome, NEW.started_at, NEW.finished_at, NEW.duration, NEW.host)"
+)
+_CLAIM_CHANGED = (
+    "(OLD.name, OLD.slot, OLD.schedule) IS DISTINCT FROM (NEW.name, NEW.slot, NEW.schedule)"
+)
 
-def _triggers(table: str, function: str, rows: str) -> list[str]:
-    """One trigger per event (a trigger with transition tables has one event)."""
-    prefix, call = f"{table}_summary", f"FOR EACH STATEMENT EXECUTE FUNCTION {function}()"
+
+def _triggers(table: str, function: str, rows: str, changed: str) -> list[str]:
+    prefix, call = f"{table}_summary", f"EXECUTE FUNCTION {function}()"
     return [
-        f"CREATE OR REPLACE TRIGGER {prefix}_insert AFTER INSERT ON {table} "
-        f"REFERENCING NEW TABLE AS new_{rows} {call}",
-        f"CREATE OR REPLACE TRIGGER {prefix}_update AFTER UPDATE ON {table} "
-        f"REFERENCING OLD TABLE AS old_{rows} NEW TABLE AS new_{rows} {call}",
+        f"CREATE OR REPLACE TRIGGER {prefix}_insert AFTER INSERT ON {table} FOR EACH ROW {call}",
+        f"CREATE OR REPLACE TRIGGER {prefix}_update AFTER UPDATE ON {table} FOR EACH ROW "
+        f"WHEN ({changed}) {call}",
         f"CREATE OR REPLACE TRIGGER {prefix}_delete AFTER DELETE ON {table} "
-        f"REFERENCING OLD TABLE AS old_{rows} {call}",
-        f"CREATE OR REPLACE TRIGGER {prefix}_truncate AFTER TRUNCATE ON {table} {call}",
+        f"REFERENCING OLD TABLE AS old_{rows} FOR EACH STATEMENT {call}",
+        f"CREATE OR REPLACE TRIGGER {prefix}_truncate AFTER TRUNCATE ON {table} "
+        f"FOR EACH STATEMENT {call}",
     ]
 
 
@@ -207,8 +209,8 @@ INSTALL = [
     RESUMMARISE,
     SUMMARISE_RUNS,
     SUMMARISE_CLAIMS,
-    *_triggers(_RUNS, "django_pglock_summarise_runs", "runs"),
-    *_triggers(_CLAIMS, "django_pglock_summarise_claims", "claims"),
+    *_triggers(_RUNS, "django_pglock_summarise_runs", "runs", _RUN_CHANGED),
+    *_triggers(_CLAIMS, "django_pglock_summarise_claims", "claims", _CLAIM_CHANGED),
 ]
 
 #: Summarise every job with history or claims (the names of the history by a loose index
