@@ -13,7 +13,7 @@ from django.contrib import admin
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from .models import JobRun, JobSummary
+from .models import JobRun
 from .options import validate_name
 
 __all__ = ["JobNameFilter", "LastSuccessFilter", "OutcomeFilter", "ReasonFilter", "StateFilter"]
@@ -111,10 +111,11 @@ class LastSuccessFilter(OfferedValueFilter):
     def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
         if self.value() != "last-success":
             return queryset
-        # Each job's summary names its last success: one row per job, not the history.
         latest = (
-            JobSummary.objects.using(queryset.db)
-            .filter(success_id__isnull=False)
-            .values("success_id")
+            JobRun.objects.using(queryset.db)
+            .filter(outcome=JobRun.Outcome.SUCCEEDED)
+            .order_by("name", "-started_at")
+            .distinct("name")
+            .values("pk")
         )
         return queryset.filter(pk__in=latest)

@@ -179,6 +179,7 @@ class JobSummary(models.Model):
 
     Kept by database triggers on ``JobRun`` and ``ScheduleClaim`` (see
     :mod:`django_pglock.sql.summary`), whoever writes those; never written from Python.
+    A job with a ``StaleSummary`` row is recounted from the history by its readers.
     """
 
     name = models.CharField(max_length=255, primary_key=True)
@@ -202,6 +203,22 @@ class JobSummary(models.Model):
         db_table = "django_pglock_jobsummary"
         verbose_name = "job summary"
         verbose_name_plural = "job summaries"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class StaleSummary(models.Model):
+    """A job whose summary a write could not update, because another transaction was
+    updating it (a test's transaction, say): its readers recount it from the history,
+    and the next write that can update the summary recounts it and removes these rows.
+    Kept by the same triggers as ``JobSummary``."""
+
+    name = models.CharField(max_length=255, db_index=True)
+
+    class Meta:
+        db_table = "django_pglock_stalesummary"
+        verbose_name = "stale job summary"
 
     def __str__(self) -> str:
         return self.name

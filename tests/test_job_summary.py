@@ -79,10 +79,26 @@ def expected(db, names):
 
 
 def stored(db, names):
+    """The summaries a reader sees: the stored rows, the jobs marked stale recounted."""
+    rows = db.execute(
+        f"SELECT {COLUMNS} FROM ({summary.READ}) s WHERE name = ANY(%s)", [list(names)]
+    ).fetchall()
+    return {row[0]: row for row in rows}
+
+
+def raw(db, names):
+    """The stored rows alone."""
     rows = db.execute(
         f"SELECT {COLUMNS} FROM django_pglock_jobsummary WHERE name = ANY(%s)", [list(names)]
     ).fetchall()
     return {row[0]: row for row in rows}
+
+
+def marked(db, names):
+    (count,) = db.execute(
+        "SELECT count(*) FROM django_pglock_stalesummary WHERE name = ANY(%s)", [list(names)]
+    ).fetchone()
+    return count
 
 
 def assert_summarised(db, names):
@@ -334,6 +350,37 @@ def test_concurrent_writers_leave_every_summary_as_the_history_says(
         finished += int(result.stdout.split()[0])
     assert finished == 6 * 60  # each committed its 60 transactions
     assert_summarised(db, names)
+    for name in names:  # the next write of each job settles it: no mark left
+        insert(db, name, "skipped", at(1), at(1))
+    assert marked(db, names) == 0
+    assert raw(db, names) == expected(db, names)
+
+
+def test_a_write_never_waits_for_a_transaction_that_writes_the_same_job(db, pg_url, test_db_name):
+    """A transaction that wrote a job's run (a test's, which never commits, say) is that
+    job's summary writer until it ends: other writes of the job mark it stale instead of
+    waiting, readers recount it, and the first write after the transaction clears it."""
+    name = unique("no-wait")
+    insert(db, name, "succeeded", at(1), at(1, 30))
+    db.execute("SET lock_timeout = '2s'")  # a wait would fail here, not hang
+    with psycopg.connect(pg_url, dbname=test_db_name) as other:
+        insert(other, name, "failed", at(2), at(2, 30))  # uncommitted
+        running = insert(db, name, "running", at(3))
+        db.execute(
+            "UPDATE django_pglock_jobrun SET outcome = 'succeeded', finished_at = %s WHERE id = %s",
+            [at(3, 30), running],
+        )
+        claim(db, name, at(4))
+        db.execute("DELETE FROM django_pglock_jobrun WHERE id = %s", [running])
+        assert marked(db, [name]) == 4
+        assert_summarised(db, [name])  # what this session sees, recounted
+        other.commit()  # now its failed run counts as well
+        assert_summarised(db, [name])
+        assert stored(db, [name])[name][3] == "failed"
+        other.rollback()
+    insert(db, name, "skipped", at(5), at(5))
+    assert marked(db, [name]) == 0
+    assert raw(db, [name]) == expected(db, [name])
 
 
 MIGRATE_BACK_AND_FORTH = """

@@ -1,5 +1,7 @@
 """Job summaries: one row per job, kept by triggers on the run history and the schedule
-claims, so that job health reads one row per job instead of probing its history.
+claims, so that job health reads one row per job instead of probing its history; and the
+stale marks, for the jobs whose summary a write could not update (see
+``django_pglock.sql.summary``).
 
 The triggers are created, and every job with history or claims summarised, in this
 migration"s transaction: a run written while it runs waits for it and then goes through
@@ -44,6 +46,22 @@ class Migration(migrations.Migration):
                 "verbose_name": "job summary",
                 "verbose_name_plural": "job summaries",
                 "db_table": "django_pglock_jobsummary",
+            },
+        ),
+        migrations.CreateModel(
+            name="StaleSummary",
+            fields=[
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(db_index=True, max_length=255)),
+            ],
+            options={
+                "verbose_name": "stale job summary",
+                "db_table": "django_pglock_stalesummary",
             },
         ),
         RunSQLOnPostgres(sql=[*summary.INSTALL, summary.BACKFILL], reverse_sql=summary.UNINSTALL),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .names import TABLE_SQL as _T
 from .names import base_name_sql, quote_name
+from .summary import READ as _SUMMARIES
 
 __all__ = ["EPISODE_CLOSE", "EPISODE_OPEN", "HEALTH_BOUNDS", "JOB_HEALTH"]
 
@@ -16,14 +17,14 @@ HEALTH_BOUNDS = "SET LOCAL lock_timeout = '5s'; SET LOCAL statement_timeout = '3
 
 _EPISODES = quote_name("django_pglock_jobepisode")
 
-_SUMMARIES = quote_name("django_pglock_jobsummary")
-
 # One row per job from its summary (django_pglock_jobsummary, kept by triggers where runs and
 # claims are written: see sql/summary.py), so the history is never probed here, however
-# long. Times travel as timestamptz, fetched in binary (see health_reads.read_rows):
-# psycopg turns those into datetimes in C, cheaper than any conversion in Python.
+# long, but for the jobs marked stale (usually none), recounted. Times travel as
+# timestamptz, fetched in binary (see health_reads.read_rows): psycopg turns those into
+# datetimes in C, cheaper than any conversion in Python.
 JOB_HEALTH = f"""
-WITH episodes AS (
+WITH summaries AS MATERIALIZED ({_SUMMARIES}
+), episodes AS (
     SELECT e.name, array_agg(e.kind ORDER BY e.kind) AS kinds FROM {_EPISODES} e GROUP BY e.name
 ), held AS (
     -- Each lock's holder. A semaphore's slots are rows of their own: its live holder that
@@ -39,7 +40,7 @@ WITH episodes AS (
     -- Names with history, scheduled names (their latest claim has an expression), the
     -- declared ones, and those with an open episode (an episode outlives its history:
     -- judged, it closes).
-    SELECT name FROM {_SUMMARIES} WHERE has_runs OR claim_schedule <> ''
+    SELECT name FROM summaries WHERE has_runs OR claim_schedule <> ''
     UNION SELECT unnest(%(declared)s::varchar[])
     UNION SELECT name FROM episodes
 )
@@ -57,7 +58,7 @@ SELECT j.name, now(),
        held.advisory,
        coalesce(episodes.kinds, ARRAY[]::varchar[]), held.name, held.gone
 FROM jobs j
-LEFT JOIN {_SUMMARIES} s ON s.name = j.name
+LEFT JOIN summaries s ON s.name = j.name
 LEFT JOIN episodes ON episodes.name = j.name
 LEFT JOIN held ON held.job = j.name
 ORDER BY j.name

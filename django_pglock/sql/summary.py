@@ -2,25 +2,30 @@
 and the schedule claims: what job health reads instead of probing the history per job.
 
 A job's summary holds its last run that ran its body, its last success, its last failure
-(each by start, then id, as job health orders them), whether it has any run at all, and
-its latest schedule claim. Every writer of runs and claims (the lock statements, a version
-of this app from before the table, the ORM, ``pglock_prune``, a test's clean-up) goes
-through the same triggers, so the summary is always what the history says.
+(each the newest by start, then id), whether it has any run at all, and its latest schedule
+claim: exactly what :data:`COUNT` computes from the history. Every writer of runs and claims
+(the lock statements, a version of this app from before the table, the ORM, ``pglock_prune``,
+a test's clean-up) goes through the same triggers.
 
-How the triggers keep it right under concurrency:
+No writer ever waits for a summary. A write first tries a transaction-level advisory lock
+on its job (``pg_try_advisory_xact_lock``, two-key form: a key space apart from the lock
+names' keys):
 
-* A new or changed run or claim is *merged*: ``INSERT .. ON CONFLICT DO UPDATE`` takes a
-  value only when it is at least as new as the one stored, compared under the row's lock
-  against its latest version. Concurrent writers of one job therefore serialise on its row
-  and the newest wins, whatever order they commit in.
-* A run that stops answering a question (deleted, its start or name changed, or a running
-  run finished as skipped) is *recomputed*: ``resummarise`` first locks the jobs' rows in
-  name order (so a writer that got there first commits before the recount) and then
-  recounts from the history with fresh snapshots (a PL/pgSQL function takes one per
-  statement). A writer that comes later merges its own row on top.
-* Inserts and updates are merged by row triggers: a lock statement writes one run, and
-  a statement that writes none (a refused acquire) costs nothing. Deletes are recounted
-  by a statement trigger, the jobs of the deleted rows in name order.
+* Taken: this transaction is the job's only summary writer until it ends. It removes the
+  job's stale marks (their writers have committed) and then recounts the job from the
+  history, when there were marks or its own change may have taken an answer away (a
+  deleted run, a run moved or renamed, a success turned failure, a run finished as
+  skipped); otherwise it merges its own row (a value is taken when it is at least as new
+  as the stored one).
+* Not taken (another transaction writes that summary, such as a test's, which never
+  commits): it inserts a stale mark (``django_pglock_stalesummary``) instead, committed with
+  its change. Readers recount a job with a mark from the history they see, so their answer
+  is always what the history says; the next write that takes the lock recounts and clears.
+
+A recount runs after the marks are removed, with a fresh snapshot (a PL/pgSQL function takes
+one per statement), so it sees every change whose mark it removed; a change committed later
+left its own mark. The functions carry the search path they were created with, so a
+writer whose own path does not list the app's schema writes the same tables.
 
 The statements below are the current version; ``migrations/0008_job_summary`` installs
 them. Changing them takes a new migration (and the old text frozen into 0008).
@@ -31,58 +36,63 @@ from __future__ import annotations
 __all__ = ["BACKFILL", "INSTALL", "INSTALLED", "TRIGGERS", "UNINSTALL"]
 
 _SUMMARY = "django_pglock_jobsummary"
+_STALE = "django_pglock_stalesummary"
 _RUNS = "django_pglock_jobrun"
 _CLAIMS = "django_pglock_scheduleclaim"
+# The first key of every job's summary lock ("pglk"); the second is the name's hashtext.
+# Two names with one hash share a lock: a write of one may mark the other stale.
+_LOCK_KEY = 0x70676C6B
 
-# A job's newest run of a kind (its last run, last success, last failure), by the order
-# job health uses: start, then id. {where} picks the kind.
+_COLUMNS = (
+    "name, has_runs, last_id, last_outcome, last_started_at, last_finished_at, last_duration, "
+    "last_host, success_id, success_started_at, success_at, failure_id, failure_started_at, "
+    "failure_at, claim_slot, claim_schedule"
+)
+
+# A job's newest run of a kind (its last run, success, failure): by start, then id.
 _NEWEST = f"""(SELECT r.id, r.outcome, r.started_at, r.finished_at, r.duration, r.host
-        FROM {_RUNS} r WHERE r.name = j.name AND {{where}}
+        FROM {_RUNS} r WHERE r.name = job AND {{where}}
         ORDER BY r.started_at DESC, r.id DESC LIMIT 1)"""
-_LAST = "r.outcome <> 'skipped'"
-_OK = "r.outcome = 'succeeded'"
-_BAD = "r.outcome IN ('failed', 'lost')"
 
-_COLUMNS = """name, has_runs, last_id, last_outcome, last_started_at, last_finished_at,
-        last_duration, last_host, success_id, success_started_at, success_at, failure_id,
-        failure_started_at, failure_at, claim_slot, claim_schedule"""
-
-RESUMMARISE = f"""
-CREATE OR REPLACE FUNCTION django_pglock_resummarise(jobs varchar[]) RETURNS void
-LANGUAGE plpgsql AS $$
-BEGIN
-    IF cardinality(jobs) = 0 THEN
-        RETURN;  -- a statement that deleted nothing
-    END IF;
-    -- Writers of these jobs that hold their rows commit first; each statement below then
-    -- reads the history with a fresh snapshot.
-    PERFORM 1 FROM {_SUMMARY} WHERE name = ANY(jobs) ORDER BY name FOR UPDATE;
-    DELETE FROM {_SUMMARY} s WHERE s.name = ANY(jobs)
-        AND NOT EXISTS (SELECT 1 FROM {_RUNS} r WHERE r.name = s.name)
-        AND NOT EXISTS (SELECT 1 FROM {_CLAIMS} c WHERE c.name = s.name);
-    INSERT INTO {_SUMMARY} AS s ({_COLUMNS})
-    SELECT j.name, j.has_runs, l.id, l.outcome, l.started_at, l.finished_at, l.duration,
-           l.host, ok.id, ok.started_at, coalesce(ok.finished_at, ok.started_at),
+#: A job's summary as its history says (no row when it has neither runs nor claims).
+COUNT = f"""
+CREATE OR REPLACE FUNCTION django_pglock_count_job(job varchar)
+RETURNS SETOF {_SUMMARY} LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
+    SELECT job, j.has_runs, l.id, l.outcome, l.started_at, l.finished_at, l.duration, l.host,
+           ok.id, ok.started_at, coalesce(ok.finished_at, ok.started_at),
            bad.id, bad.started_at, coalesce(bad.finished_at, bad.started_at),
            c.slot, c.schedule
-    FROM (SELECT u.name, EXISTS (SELECT 1 FROM {_RUNS} r WHERE r.name = u.name) AS has_runs
-          FROM (SELECT DISTINCT name FROM unnest(jobs) AS n(name)) u) j
-    LEFT JOIN LATERAL {_NEWEST.format(where=_LAST)} l ON true
-    LEFT JOIN LATERAL {_NEWEST.format(where=_OK)} ok ON true
-    LEFT JOIN LATERAL {_NEWEST.format(where=_BAD)} bad ON true
-    LEFT JOIN LATERAL (SELECT c.slot, c.schedule FROM {_CLAIMS} c WHERE c.name = j.name
+    FROM (SELECT EXISTS (SELECT 1 FROM {_RUNS} r WHERE r.name = job) AS has_runs) j
+    LEFT JOIN LATERAL {_NEWEST.format(where="r.outcome <> 'skipped'")} l ON true
+    LEFT JOIN LATERAL {_NEWEST.format(where="r.outcome = 'succeeded'")} ok ON true
+    LEFT JOIN LATERAL {_NEWEST.format(where="r.outcome IN ('failed', 'lost')")} bad ON true
+    LEFT JOIN LATERAL (SELECT c.slot, c.schedule FROM {_CLAIMS} c WHERE c.name = job
                        ORDER BY c.slot DESC LIMIT 1) c ON true
     WHERE j.has_runs OR c.slot IS NOT NULL
-    ORDER BY j.name
-    ON CONFLICT (name) DO UPDATE SET
-        has_runs = excluded.has_runs, last_id = excluded.last_id,
-        last_outcome = excluded.last_outcome, last_started_at = excluded.last_started_at,
-        last_finished_at = excluded.last_finished_at, last_duration = excluded.last_duration,
-        last_host = excluded.last_host, success_id = excluded.success_id,
-        success_started_at = excluded.success_started_at, success_at = excluded.success_at,
-        failure_id = excluded.failure_id, failure_started_at = excluded.failure_started_at,
-        failure_at = excluded.failure_at, claim_slot = excluded.claim_slot,
-        claim_schedule = excluded.claim_schedule;
+$$
+"""
+
+# Take the job's summary lock, or mark the job stale. True when the caller is to merge its
+# own row; false when there is nothing more to do (marked, or recounted).
+SETTLE = f"""
+CREATE OR REPLACE FUNCTION django_pglock_settle_job(job varchar, recount boolean)
+RETURNS boolean LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+DECLARE
+    marks integer;
+BEGIN
+    IF NOT pg_try_advisory_xact_lock({_LOCK_KEY}, hashtext(job)) THEN
+        INSERT INTO {_STALE} (name) VALUES (job);
+        RETURN false;
+    END IF;
+    DELETE FROM {_STALE} WHERE name = job;
+    GET DIAGNOSTICS marks = ROW_COUNT;
+    IF recount OR marks > 0 THEN
+        DELETE FROM {_SUMMARY} WHERE name = job;
+        INSERT INTO {_SUMMARY} ({_COLUMNS})
+        SELECT {_COLUMNS} FROM django_pglock_count_job(job);
+        RETURN false;
+    END IF;
+    RETURN true;
 END $$
 """
 
@@ -105,8 +115,7 @@ def _take(group: str, columns: tuple[str, ...]) -> str:
     )
 
 
-# A new or changed run, merged into its job's row. (Row by row: a statement of one row,
-# as every lock statement is, costs one plain upsert, and one that wrote no row nothing.)
+# A new or changed run, merged into its job's row by the job's summary writer.
 _MERGE_RUN = f"""
     INSERT INTO {_SUMMARY} AS s ({_COLUMNS}) VALUES (
         NEW.name, true,
@@ -125,49 +134,59 @@ _MERGE_RUN = f"""
         {_take("failure", ("id", "started_at", "at"))}
     WHERE NOT s.has_runs OR {_newer("last")} OR {_newer("success")} OR {_newer("failure")}"""
 
-# Row triggers for inserts and updates, statement triggers (the deleted rows in a
-# transition table, their jobs recounted in name order) for deletes and truncation.
+# Row triggers for inserts and updates (a lock statement writes one run; a statement that
+# writes none, such as a refused acquire, costs nothing), statement triggers for deletes and
+# truncation (the jobs of the deleted rows in name order).
 SUMMARISE_RUNS = f"""
 CREATE OR REPLACE FUNCTION django_pglock_summarise_runs() RETURNS trigger
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
+    taken boolean;
     is_last boolean;
     is_ok boolean;
     is_bad boolean;
 BEGIN
     IF TG_OP = 'TRUNCATE' THEN
-        PERFORM django_pglock_resummarise(ARRAY(SELECT name FROM {_SUMMARY}));
+        PERFORM django_pglock_settle_job(name, true)
+        FROM (SELECT name FROM {_SUMMARY} UNION SELECT name FROM {_STALE} ORDER BY 1) j;
         RETURN NULL;
     ELSIF TG_OP = 'DELETE' THEN
-        PERFORM django_pglock_resummarise(ARRAY(SELECT DISTINCT name FROM old_runs));
+        PERFORM django_pglock_settle_job(name, true)
+        FROM (SELECT DISTINCT name FROM old_runs ORDER BY 1) j;
         RETURN NULL;
-    ELSIF TG_OP = 'UPDATE' AND (
-            OLD.name <> NEW.name OR OLD.id <> NEW.id OR OLD.started_at <> NEW.started_at
-            OR (OLD.outcome <> 'skipped' AND NEW.outcome = 'skipped')
-            OR (OLD.outcome = 'succeeded' AND NEW.outcome <> 'succeeded')
-            OR (OLD.outcome IN ('failed', 'lost') AND NEW.outcome NOT IN ('failed', 'lost'))) THEN
-        -- The run may have been its job's answer to a question it no longer answers.
-        PERFORM django_pglock_resummarise(ARRAY[OLD.name]);
+    ELSIF TG_OP = 'UPDATE' AND OLD.name <> NEW.name THEN
+        PERFORM django_pglock_settle_job(OLD.name, true);
     END IF;
-    is_last := NEW.outcome <> 'skipped';
-    is_ok := NEW.outcome = 'succeeded';
-    is_bad := NEW.outcome IN ('failed', 'lost');
-    {_MERGE_RUN};
+    -- The run may have been its job's answer to a question it no longer answers: recount.
+    taken := django_pglock_settle_job(NEW.name, TG_OP = 'UPDATE' AND (
+        OLD.name <> NEW.name OR OLD.id <> NEW.id OR OLD.started_at <> NEW.started_at
+        OR (OLD.outcome <> 'skipped' AND NEW.outcome = 'skipped')
+        OR (OLD.outcome = 'succeeded' AND NEW.outcome <> 'succeeded')
+        OR (OLD.outcome IN ('failed', 'lost') AND NEW.outcome NOT IN ('failed', 'lost'))));
+    IF taken THEN
+        is_last := NEW.outcome <> 'skipped';
+        is_ok := NEW.outcome = 'succeeded';
+        is_bad := NEW.outcome IN ('failed', 'lost');
+        {_MERGE_RUN};
+    END IF;
     RETURN NULL;
 END $$
 """
 
 SUMMARISE_CLAIMS = f"""
 CREATE OR REPLACE FUNCTION django_pglock_summarise_claims() RETURNS trigger
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 BEGIN
     IF TG_OP = 'TRUNCATE' THEN
-        PERFORM django_pglock_resummarise(ARRAY(SELECT name FROM {_SUMMARY}));
+        PERFORM django_pglock_settle_job(name, true)
+        FROM (SELECT name FROM {_SUMMARY} UNION SELECT name FROM {_STALE} ORDER BY 1) j;
     ELSIF TG_OP = 'DELETE' THEN
-        PERFORM django_pglock_resummarise(ARRAY(SELECT DISTINCT name FROM old_claims));
+        PERFORM django_pglock_settle_job(name, true)
+        FROM (SELECT DISTINCT name FROM old_claims ORDER BY 1) j;
     ELSIF TG_OP = 'UPDATE' THEN
-        PERFORM django_pglock_resummarise(ARRAY[OLD.name, NEW.name]);
-    ELSE
+        PERFORM django_pglock_settle_job(OLD.name, true);
+        PERFORM django_pglock_settle_job(NEW.name, true);
+    ELSIF django_pglock_settle_job(NEW.name, false) THEN
         INSERT INTO {_SUMMARY} AS s (name, has_runs, claim_slot, claim_schedule)
         VALUES (NEW.name, false, NEW.slot, NEW.schedule)
         ON CONFLICT (name) DO UPDATE SET
@@ -206,7 +225,8 @@ def _triggers(table: str, function: str, rows: str, changed: str) -> list[str]:
 #: Create (or replace) the functions and triggers that keep the summaries, one statement
 #: each.
 INSTALL = [
-    RESUMMARISE,
+    COUNT,
+    SETTLE,
     SUMMARISE_RUNS,
     SUMMARISE_CLAIMS,
     *_triggers(_RUNS, "django_pglock_summarise_runs", "runs", _RUN_CHANGED),
@@ -222,26 +242,30 @@ WITH RECURSIVE names AS (
     SELECT (SELECT r.name FROM {_RUNS} r WHERE r.name > n.name ORDER BY r.name LIMIT 1)
     FROM names n WHERE n.name IS NOT NULL
 )
-SELECT django_pglock_resummarise(ARRAY(
+SELECT count(django_pglock_settle_job(name, true)) FROM (
     SELECT name FROM names WHERE name IS NOT NULL
-    UNION SELECT DISTINCT name FROM {_CLAIMS}))
+    UNION SELECT DISTINCT name FROM {_CLAIMS} ORDER BY 1) j
 """
 
-#: Remove the triggers and functions (the table goes with its model).
+#: The effective summaries a reader sees: the stored ones, and a recount of the jobs
+#: marked stale (usually none).
+READ = f"""
+    SELECT s.* FROM {_SUMMARY} s
+    WHERE NOT EXISTS (SELECT 1 FROM {_STALE} m WHERE m.name = s.name)
+    UNION ALL
+    SELECT c.* FROM (SELECT DISTINCT name FROM {_STALE}) m,
+         LATERAL django_pglock_count_job(m.name) c"""
+
+_EVENTS = ("insert", "update", "delete", "truncate")
+_TRIGGERS = [f"{table}_summary_{event}" for table in (_RUNS, _CLAIMS) for event in _EVENTS]
+
+#: Remove the triggers and functions (the tables go with their models).
 UNINSTALL = [
-    f"DROP TRIGGER IF EXISTS {table}_summary_{event} ON {table}"
-    for table in (_RUNS, _CLAIMS)
-    for event in ("insert", "update", "delete", "truncate")
-] + [
+    *(f"DROP TRIGGER IF EXISTS {name} ON {name.split('_summary_')[0]}" for name in _TRIGGERS),
     "DROP FUNCTION IF EXISTS django_pglock_summarise_runs()",
     "DROP FUNCTION IF EXISTS django_pglock_summarise_claims()",
-    "DROP FUNCTION IF EXISTS django_pglock_resummarise(varchar[])",
-]
-
-_TRIGGERS = [
-    f"'{table}_summary_{event}'"
-    for table in (_RUNS, _CLAIMS)
-    for event in ("insert", "update", "delete", "truncate")
+    "DROP FUNCTION IF EXISTS django_pglock_settle_job(varchar, boolean)",
+    "DROP FUNCTION IF EXISTS django_pglock_count_job(varchar)",
 ]
 
 #: How many triggers keep the summaries.
@@ -252,5 +276,5 @@ TRIGGERS = len(_TRIGGERS)
 INSTALLED = f"""
 SELECT count(*) FROM pg_trigger
 WHERE tgrelid IN (to_regclass('{_RUNS}'), to_regclass('{_CLAIMS}'))
-  AND tgname IN ({", ".join(_TRIGGERS)})
+  AND tgname IN ({", ".join(f"'{name}'" for name in _TRIGGERS)})
 """
