@@ -491,3 +491,16 @@ def test_tables_made_without_migrations_get_the_sequence_and_the_triggers(scratc
     lines = result.stdout.splitlines()
     assert lines[:2] == [f"installed {summary.TRIGGERS}", "migrations False"]
     assert lines[2] == "health [('tested-job', 'succeeded')]"
+
+
+def test_job_health_answers_while_the_history_is_locked(db, pg_url, test_db_name):
+    """A migration or ``VACUUM FULL`` of the run history holds it exclusively: job health,
+    which reads the summaries, still answers (reading the history it would fail after
+    its 5 s lock timeout)."""
+    name = unique("locked-history")
+    insert(db, name, "failed", at(1), at(1, 30))
+    with psycopg.connect(pg_url, dbname=test_db_name) as locker:
+        locker.execute("LOCK TABLE django_pglock_jobrun IN ACCESS EXCLUSIVE MODE")
+        (found,) = [h for h in job_health(announce=False) if h.name == name]
+        locker.rollback()
+    assert (found.state, found.last_outcome) == ("failing", "failed")
