@@ -239,7 +239,7 @@ def print_report(report: dict[str, Any]) -> None:
     )
     print(f"  statements per call: {report['statements_per_call']}")
     print(f"  plan execution (EXPLAIN ANALYZE): {report['plan_execution_ms']:.2f} ms")
-    print(f"  indexes used: {', '.join(report['indexes'])}")
+    print(f"  indexes used: {', '.join(report['indexes']) or 'none (no job is recounted)'}")
     print(f"  states: {report['states']}")
     on, off = report["recorded_cycle_us"], report["recorded_cycle_without_summary_us"]
     print(
