@@ -160,9 +160,7 @@ def test_the_health_view_answers_while_the_run_table_is_locked(db):
 
     db.execute("BEGIN")
     # (Job health reads the job summaries, not the history: the summaries are locked too.)
-    db.execute(
-        "LOCK TABLE django_pglock_jobrun, django_pglock_jobsummary IN ACCESS EXCLUSIVE MODE"
-    )
+    db.execute("LOCK TABLE django_pglock_jobrun, django_pglock_jobsummary IN ACCESS EXCLUSIVE MODE")
     thread = threading.Thread(target=probe, daemon=True)
     try:
         thread.start()

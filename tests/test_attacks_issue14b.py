@@ -28,88 +28,14 @@ from django.utils import timezone
 from django_pglock import singleton_job
 from django_pglock.health import job_health
 from django_pglock.models import JobRun, ScheduleClaim
-from django_pglock.sql import summary
 from tests.subprocs import open_db
+from tests.summarykit import UTC, at, claim, expected, insert, stored
 
 pytestmark = [pytest.mark.usefixtures("clean_locks")]
-
-UTC = datetime.timezone.utc
-COLUMNS = (
-    "name, has_runs, last_id, last_outcome, last_started_at, last_finished_at, last_duration,"
-    " last_host, success_id, success_started_at, success_at, failure_id, failure_started_at,"
-    " failure_at, claim_slot, claim_schedule"
-)
 
 
 def unique(label):
     return f"attack14b-{label}-{uuid.uuid4().hex[:8]}"
-
-
-def at(hour, minute=0):
-    return datetime.datetime(2024, 5, 6, hour, minute, tzinfo=UTC)
-
-
-def expected(conn, names):
-    """The summaries the definition gives, computed in Python from the runs and claims."""
-    runs = conn.execute(
-        "SELECT id, name, outcome, started_at, finished_at, duration, host"
-        " FROM django_pglock_jobrun WHERE name = ANY(%s)",
-        [list(names)],
-    ).fetchall()
-    claims = conn.execute(
-        "SELECT name, slot, schedule FROM django_pglock_scheduleclaim WHERE name = ANY(%s)",
-        [list(names)],
-    ).fetchall()
-    found = {}
-    for name in names:
-        mine = [r for r in runs if r[1] == name]
-        slots = [c for c in claims if c[0] == name]
-        if not mine and not slots:
-            continue
-
-        def newest(test, mine=mine):
-            picked = [r for r in mine if test(r[2])]
-            return max(picked, key=lambda r: (r[3], r[0]), default=None)
-
-        last = newest(lambda o: o != "skipped")
-        ok = newest(lambda o: o == "succeeded")
-        bad = newest(lambda o: o in ("failed", "lost"))
-        claim = max(slots, key=lambda c: c[1], default=None)
-        found[name] = (
-            name,
-            bool(mine),
-            *((last[0], last[2], last[3], last[4], last[5], last[6]) if last else (None,) * 6),
-            *((ok[0], ok[3], ok[4] or ok[3]) if ok else (None,) * 3),
-            *((bad[0], bad[3], bad[4] or bad[3]) if bad else (None,) * 3),
-            *((claim[1], claim[2]) if claim else (None,) * 2),
-        )
-    return found
-
-
-def stored(conn, names):
-    """The summaries a reader sees (the stored rows, the jobs marked stale recounted)."""
-    rows = conn.execute(
-        f"SELECT {COLUMNS} FROM ({summary.READ}) s WHERE name = ANY(%s)", [list(names)]
-    ).fetchall()
-    return {row[0]: row for row in rows}
-
-
-def insert_run(conn, name, outcome, started, finished=None, host="w"):
-    (run_id,) = conn.execute(
-        "INSERT INTO django_pglock_jobrun (name, holder, host, pid, description, started_at,"
-        " finished_at, duration, outcome) VALUES (%s, 'h', %s, 1, '', %s, %s, 1.5, %s)"
-        " RETURNING id",
-        [name, host, started, finished, outcome],
-    ).fetchone()
-    return run_id
-
-
-def insert_claim(conn, name, slot, schedule="0 * * * *"):
-    conn.execute(
-        "INSERT INTO django_pglock_scheduleclaim (name, slot, holder, claimed_at, schedule)"
-        " VALUES (%s, %s, 'h', now(), %s)",
-        [name, slot, schedule],
-    )
 
 
 def in_background(target):
@@ -246,11 +172,11 @@ def test_claims_renamed_onto_a_job_whose_first_run_is_being_written(db, pg_url, 
     failure. job_health then said the job had no last run instead of its failure. Now the
     rename does not wait: it marks ``new`` stale, and readers recount it."""
     old, new = unique("rename-old"), unique("rename-new")
-    insert_claim(db, old, at(10))
+    claim(db, old, at(10))
     writer = psycopg.connect(pg_url, dbname=test_db_name)  # a transaction (the ORM's atomic)
     try:
         now = db.execute("SELECT now()").fetchone()[0]
-        insert_run(writer, new, "failed", now - datetime.timedelta(minutes=1), now)
+        insert(writer, new, "failed", now - datetime.timedelta(minutes=1), now)
         # The rename does not wait for the run's transaction: it marks `new` stale.
         with open_db(pg_url, test_db_name) as renamer:
             renamer.execute("SET lock_timeout = '5s'")
@@ -364,7 +290,7 @@ def test_a_writer_whose_search_path_does_not_list_the_schema(db, pg_url, test_db
     search_path, so the write fails ("relation django_pglock_jobsummary does not
     exist"), where before the triggers it succeeded."""
     name = unique("search-path")
-    run_id = insert_run(db, name, "succeeded", at(10), at(11))
+    run_id = insert(db, name, "succeeded", at(10), at(11))
     with open_db(pg_url, test_db_name) as operator:
         operator.execute("SET search_path = pg_catalog")
         operator.execute("DELETE FROM public.django_pglock_jobrun WHERE id = %s", [run_id])
@@ -458,11 +384,11 @@ def test_two_bulk_updates_of_disjoint_runs_of_two_jobs_do_not_deadlock(db, pg_ur
     a, b = unique("order-a"), unique("order-b")
     assert a < b
     now = db.execute("SELECT now()").fetchone()[0]
-    a_running = insert_run(db, a, "running", now - datetime.timedelta(minutes=3))
-    a_ok = insert_run(db, a, "succeeded", now - datetime.timedelta(minutes=2), now)
-    insert_run(db, a, "running", now - datetime.timedelta(minutes=1))  # a third run of A
-    b_ok = insert_run(db, b, "succeeded", now - datetime.timedelta(minutes=2), now)
-    b_running = insert_run(db, b, "running", now - datetime.timedelta(minutes=1))
+    a_running = insert(db, a, "running", now - datetime.timedelta(minutes=3))
+    a_ok = insert(db, a, "succeeded", now - datetime.timedelta(minutes=2), now)
+    insert(db, a, "running", now - datetime.timedelta(minutes=1))  # a third run of A
+    b_ok = insert(db, b, "succeeded", now - datetime.timedelta(minutes=2), now)
+    b_running = insert(db, b, "running", now - datetime.timedelta(minutes=1))
     holder = psycopg.connect(pg_url, dbname=test_db_name)  # writes A: its summary writer
     s1, s2 = open_db(pg_url, test_db_name), open_db(pg_url, test_db_name)
     update = (
@@ -471,7 +397,7 @@ def test_two_bulk_updates_of_disjoint_runs_of_two_jobs_do_not_deadlock(db, pg_ur
     )
     box1, box2 = {}, {}
     try:
-        insert_run(holder, a, "skipped", now, now)
+        insert(holder, a, "skipped", now, now)
         for session in (s1, s2):
             session.execute("SET lock_timeout = '5s'")  # a wait would fail, not hang
         # Neither waits for A's summary (they mark A stale) nor for each other.
@@ -510,13 +436,13 @@ def test_edge_cases_of_single_writers_are_summarised(db):
         " (%(n)s, 'h', 'c', 1, '', %(t)s, %(t)s, 'skipped')",
         {"n": tie, "t": at(9)},
     )
-    insert_run(db, target, "succeeded", at(12), at(13))
-    first = insert_run(db, moved, "failed", at(11), at(11, 30))
-    insert_run(db, moved, "succeeded", at(10), at(10, 30))
+    insert(db, target, "succeeded", at(12), at(13))
+    first = insert(db, moved, "failed", at(11), at(11, 30))
+    insert(db, moved, "succeeded", at(10), at(10, 30))
     JobRun.objects.filter(id=first).update(name=target)
-    insert_run(db, target, "lost", at(1), at(2))  # older than everything stored
+    insert(db, target, "lost", at(1), at(2))  # older than everything stored
     JobRun.objects.filter(name=target, outcome="succeeded").update(started_at=at(0))
-    insert_claim(db, sched, datetime.datetime(2020, 1, 1, tzinfo=UTC), "* * * * *")
+    claim(db, sched, datetime.datetime(2020, 1, 1, tzinfo=UTC), "* * * * *")
 
     @singleton_job(name=sched, schedule="* * * * *")
     def job():
