@@ -64,5 +64,7 @@ class Migration(migrations.Migration):
                 "db_table": "django_pglock_stalesummary",
             },
         ),
-        RunSQLOnPostgres(sql=[*summary.INSTALL, summary.BACKFILL], reverse_sql=summary.UNINSTALL),
+        RunSQLOnPostgres(
+            sql=[*summary.INSTALL, summary.BACKFILL], reverse_sql=[*summary.UNINSTALL]
+        ),
     ]
