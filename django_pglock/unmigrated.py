@@ -42,5 +42,5 @@ def complete(sender: Any = None, using: str = "default", **kwargs: Any) -> None:
         if no_sequence:
             cursor.execute(f"CREATE SEQUENCE IF NOT EXISTS {SEQUENCE} AS bigint")
         if no_triggers:
-            for statement in [*summary.INSTALL, summary.BACKFILL]:
+            for statement in [*summary.INSTALL, *summary.BACKFILL]:
                 cursor.execute(statement)

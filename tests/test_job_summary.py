@@ -413,3 +413,23 @@ def test_job_health_answers_while_the_history_is_locked(db, pg_url, test_db_name
         (found,) = [h for h in job_health(announce=False) if h.name == name]
         locker.rollback()
     assert (found.state, found.last_outcome) == ("failing", "failed")
+
+
+def test_a_transaction_that_creates_many_summaries_marks_the_rest_and_prune_settles(db):
+    """Creating a job's summary holds an advisory lock (a slot of the server's shared lock
+    table) until the transaction ends: one transaction creates at most 1,000, the other
+    jobs are marked stale; readers recount them and ``pglock_prune`` settles them."""
+    prefix = unique("bulk")
+    names = [f"{prefix}-{i:04d}" for i in range(1_200)]
+    db.execute(
+        "INSERT INTO django_pglock_jobrun (name, holder, host, pid, description, started_at,"
+        " finished_at, duration, outcome) SELECT n, 'h', 'w', 1, '', %s, %s, 1, 'failed'"
+        " FROM unnest(%s::varchar[]) n",
+        [at(1), at(1, 30), names],
+    )
+    assert marked(db, names) == 200
+    assert len(raw(db, names)) == 1_000
+    assert_summarised(db, names)
+    call_command("pglock_prune", "--older-than", "3650d", verbosity=0)
+    assert marked(db, names) == 0
+    assert raw(db, names) == expected(db, names)

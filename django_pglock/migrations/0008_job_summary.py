@@ -65,6 +65,6 @@ class Migration(migrations.Migration):
             },
         ),
         RunSQLOnPostgres(
-            sql=[*summary.INSTALL, summary.BACKFILL], reverse_sql=[*summary.UNINSTALL]
+            sql=[*summary.INSTALL, *summary.BACKFILL], reverse_sql=[*summary.UNINSTALL]
         ),
     ]

@@ -7,20 +7,24 @@ claim: exactly what :data:`COUNT` computes from the history. Every writer of run
 (the lock statements, a version of this app from before the table, the ORM, ``pglock_prune``,
 a test's clean-up) goes through the same triggers.
 
-No writer ever waits for a summary. A write first tries a transaction-level advisory lock
-on its job (``pg_try_advisory_xact_lock``, two-key form: a key space apart from the lock
-names' keys):
+No writer ever waits for a summary. A write first tries to become its job's summary
+writer for the rest of its transaction: by locking the job's summary row (``FOR UPDATE
+SKIP LOCKED``), or, for a job without one yet, by a transaction advisory lock that every
+creator of a summary holds until it commits (``pg_try_advisory_xact_lock``; row locks cost
+no slot of the server's shared lock table, these do, so a transaction creates at most 1,000
+summaries and marks the other jobs; ``pglock_prune`` settles marked jobs in batches).
 
-* Taken: this transaction is the job's only summary writer until it ends. It removes the
-  job's stale marks (their writers have committed) and then recounts the job from the
-  history, when there were marks or its own change may have taken an answer away (a
-  deleted run, a run moved or renamed, a success turned failure, a run finished as
-  skipped); otherwise it merges its own row (a value is taken when it is at least as new
-  as the stored one).
-* Not taken (another transaction writes that summary, such as a test's, which never
-  commits): it inserts a stale mark (``django_pglock_stalesummary``) instead, committed with
-  its change. Readers recount a job with a mark from the history they see, so their answer
-  is always what the history says; the next write that takes the lock recounts and clears.
+* The writer removes the job's stale marks (their writers have committed) and then
+  recounts the job from the history, when there were marks or its own change may have
+  taken an answer away (a deleted run, a run moved or renamed, a success turned failure, a
+  run finished as skipped); otherwise it merges its own row (a value is taken when it is
+  at least as new as the stored one).
+* Any other write of the job (while another transaction writes its summary, such as a
+  test's, which never commits; or in a REPEATABLE READ or SERIALIZABLE transaction, which
+  could not write a row changed since its snapshot) inserts a stale mark
+  (``django_pglock_stalesummary``) instead, committed with its change. Readers recount a
+  job with a mark from the history they see, so their answer is always what the history
+  says; the job's next writer recounts it and clears the marks.
 
 A recount runs after the marks are removed, with a fresh snapshot (a PL/pgSQL function takes
 one per statement), so it sees every change whose mark it removed; a change committed later
@@ -33,15 +37,22 @@ them. Changing them takes a new migration (and the old text frozen into 0008).
 
 from __future__ import annotations
 
-__all__ = ["BACKFILL", "INSTALL", "INSTALLED", "TRIGGERS", "UNINSTALL"]
+__all__ = ["BACKFILL", "INSTALL", "INSTALLED", "SETTLE_STALE", "TRIGGERS", "UNINSTALL"]
 
 _SUMMARY = "django_pglock_jobsummary"
 _STALE = "django_pglock_stalesummary"
 _RUNS = "django_pglock_jobrun"
 _CLAIMS = "django_pglock_scheduleclaim"
-# The first key of every job's summary lock ("pglk"); the second is the name's hashtext.
-# Two names with one hash share a lock: a write of one may mark the other stale.
+# The first key of the advisory lock a job's summary is created under ("pglk"); the second
+# is the name's hashtext. Two names with one hash share it: a write of one may mark the
+# other stale. (An acquire's gate, sql/acquire.py, uses the same two-key space, with the
+# halves of a name's 64-bit key: it meets this lock only if that key is this pair.)
 _LOCK_KEY = 0x70676C6B
+# How many summaries one transaction creates under those locks (each takes a slot of the
+# server's shared lock table until the transaction ends; a bulk write of more jobs marks
+# the rest, and a transaction-local setting counts them).
+_CREATED = "django_pglock.summaries_created"
+_CREATED_MAX = 1000
 
 _COLUMNS = (
     "name, has_runs, last_id, last_outcome, last_started_at, last_finished_at, last_duration, "
@@ -72,16 +83,42 @@ RETURNS SETOF {_SUMMARY} LANGUAGE sql STABLE SET search_path FROM CURRENT AS $$
 $$
 """
 
-# Take the job's summary lock, or mark the job stale. True when the caller is to merge its
-# own row; false when there is nothing more to do (marked, or recounted).
+# Become the job's summary writer, or mark the job stale (unless ``mark`` is false: a
+# settling pass with no change of its own). True when the caller is to merge its own row;
+# false when there is nothing more to do (marked, or recounted).
 SETTLE = f"""
-CREATE OR REPLACE FUNCTION django_pglock_settle_job(job varchar, recount boolean)
+CREATE OR REPLACE FUNCTION django_pglock_settle_job(
+    job varchar, recount boolean, mark boolean DEFAULT true)
 RETURNS boolean LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
+    writer boolean := false;
     marks integer;
+    created integer;
 BEGIN
-    IF NOT pg_try_advisory_xact_lock({_LOCK_KEY}, hashtext(job)) THEN
-        INSERT INTO {_STALE} (name) VALUES (job);
+    -- A snapshot transaction (REPEATABLE READ, SERIALIZABLE) could not write a summary
+    -- changed since its snapshot: it marks the job instead.
+    IF current_setting('transaction_isolation') = 'read committed' THEN
+        -- The writer of an existing summary holds its row lock (no lock-table slot).
+        PERFORM 1 FROM {_SUMMARY} WHERE name = job FOR UPDATE SKIP LOCKED;
+        writer := FOUND;
+        IF NOT writer AND NOT EXISTS (SELECT 1 FROM {_SUMMARY} WHERE name = job) THEN
+            -- A job without a summary: its creator holds the job's advisory lock until it
+            -- commits, so that nobody waits for its uncommitted row. Those take lock-table
+            -- slots: at most {_CREATED_MAX} per transaction, the other jobs are marked.
+            created := coalesce(nullif(current_setting('{_CREATED}', true), ''), '0')::int;
+            IF created < {_CREATED_MAX}
+               AND pg_try_advisory_xact_lock({_LOCK_KEY}, hashtext(job)) THEN
+                PERFORM set_config('{_CREATED}', (created + 1)::text, true);
+                -- (A creator that committed meanwhile: its row, which may be locked.)
+                PERFORM 1 FROM {_SUMMARY} WHERE name = job FOR UPDATE SKIP LOCKED;
+                writer := FOUND OR NOT EXISTS (SELECT 1 FROM {_SUMMARY} WHERE name = job);
+            END IF;
+        END IF;
+    END IF;
+    IF NOT writer THEN  -- another transaction writes it
+        IF mark THEN
+            INSERT INTO {_STALE} (name) VALUES (job);
+        END IF;
         RETURN false;
     END IF;
     DELETE FROM {_STALE} WHERE name = job;
@@ -233,19 +270,27 @@ INSTALL = [
     *_triggers(_CLAIMS, "django_pglock_summarise_claims", "claims", _CLAIM_CHANGED),
 ]
 
-#: Summarise every job with history or claims (the names of the history by a loose index
-#: scan on django_pglock_run_name_idx: one probe per job, not a read of every run).
-BACKFILL = f"""
+#: Summarise every job with history or claims, from scratch (the names of the history by a
+#: loose index scan on django_pglock_run_name_idx: one probe per job, not a read of every
+#: run). Run where the triggers were just created, in the same transaction: that holds off
+#: every writer of runs and claims, so nobody else writes a summary meanwhile, and no
+#: per-job lock is needed.
+BACKFILL = [
+    f"DELETE FROM {_STALE}",
+    f"DELETE FROM {_SUMMARY}",
+    f"""
 WITH RECURSIVE names AS (
     (SELECT name FROM {_RUNS} ORDER BY name LIMIT 1)
     UNION ALL
     SELECT (SELECT r.name FROM {_RUNS} r WHERE r.name > n.name ORDER BY r.name LIMIT 1)
     FROM names n WHERE n.name IS NOT NULL
 )
-SELECT count(django_pglock_settle_job(name, true)) FROM (
-    SELECT name FROM names WHERE name IS NOT NULL
-    UNION SELECT DISTINCT name FROM {_CLAIMS} ORDER BY 1) j
-"""
+INSERT INTO {_SUMMARY} ({_COLUMNS})
+SELECT c.* FROM (SELECT name FROM names WHERE name IS NOT NULL
+                 UNION SELECT name FROM {_CLAIMS}) j,
+     LATERAL django_pglock_count_job(j.name) c
+""",
+]
 
 #: The effective summaries a reader sees: the stored ones, and a recount of the jobs
 #: marked stale (usually none).
@@ -256,6 +301,15 @@ READ = f"""
     SELECT c.* FROM (SELECT DISTINCT name FROM {_STALE}) m,
          LATERAL django_pglock_count_job(m.name) c"""
 
+#: Settle up to %(batch)s jobs marked stale, by name after %(after)s: each is recounted
+#: and its marks removed, unless another transaction writes its summary now. Returns how
+#: many were picked and the last name (where the next batch starts). (``pglock_prune``.)
+SETTLE_STALE = f"""
+SELECT count(django_pglock_settle_job(name, true, false)), max(name) FROM (
+    SELECT DISTINCT name FROM {_STALE} WHERE name > %(after)s ORDER BY name LIMIT %(batch)s
+) j
+"""
+
 _EVENTS = ("insert", "update", "delete", "truncate")
 _TRIGGERS = [f"{table}_summary_{event}" for table in (_RUNS, _CLAIMS) for event in _EVENTS]
 
@@ -264,7 +318,7 @@ UNINSTALL = [
     *(f"DROP TRIGGER IF EXISTS {name} ON {name.split('_summary_')[0]}" for name in _TRIGGERS),
     "DROP FUNCTION IF EXISTS django_pglock_summarise_runs()",
     "DROP FUNCTION IF EXISTS django_pglock_summarise_claims()",
-    "DROP FUNCTION IF EXISTS django_pglock_settle_job(varchar, boolean)",
+    "DROP FUNCTION IF EXISTS django_pglock_settle_job(varchar, boolean, boolean)",
     "DROP FUNCTION IF EXISTS django_pglock_count_job(varchar)",
 ]
 

@@ -12,6 +12,7 @@ from django_pglock import sql
 from django_pglock.conf import MAX_SECONDS
 from django_pglock.connection import LockConnection, get_connection
 from django_pglock.management.cli import database_option, reports_database_errors
+from django_pglock.sql import summary
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 #: The oldest age that can be asked for: 100 years, well inside PostgreSQL's timestamps.
@@ -19,6 +20,9 @@ MAX_AGE_DAYS = int(MAX_SECONDS // 86400)
 #: Rows deleted per statement: each statement stays far below the lock session's 30 s
 #: statement timeout, and only three numbers come back per batch, whatever the table's size.
 BATCH_SIZE = 10_000
+#: Jobs whose stale summary one statement settles (at most as many summaries as one
+#: transaction creates, see ``sql.summary``).
+SETTLE_BATCH = 1_000
 
 
 def parse_age(text: str) -> float:
@@ -43,7 +47,8 @@ class Command(BaseCommand):
     help = (
         "Delete run history (JobRun) and schedule claims older than --older-than. Kept "
         "whatever their age: runs still going on, and the latest slot claimed by each job "
-        "(it may still be the current slot, which would otherwise start again)."
+        "(it may still be the current slot, which would otherwise start again). Then "
+        "recount the job summaries marked stale."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -59,10 +64,22 @@ class Command(BaseCommand):
         cutoff = now - timedelta(seconds=age)  # one cutoff for every batch
         runs = self._prune(conn, sql.PRUNE_RUNS, cutoff, "run(s)")
         claims = self._prune(conn, sql.PRUNE_CLAIMS, cutoff, "schedule claim(s)")
+        self._settle(conn)
         self.stdout.write(
             f"Deleted {runs} run(s) and {claims} schedule claim(s) older than "
             f"{options['older_than'].strip()}."
         )
+
+    def _settle(self, conn: LockConnection) -> None:
+        """Recount the jobs whose summary is marked stale (see ``sql.summary``), in batches
+        of ``SETTLE_BATCH`` jobs, each its own statement."""
+        after = ""
+        while True:
+            params = {"after": after, "batch": SETTLE_BATCH}
+            ((picked, last),) = conn.execute(summary.SETTLE_STALE, params)
+            if picked < SETTLE_BATCH:
+                return
+            after = last
 
     def _prune(self, conn: LockConnection, statement: str, cutoff: Any, what: str) -> int:
         """Delete in batches of ``BATCH_SIZE`` rows, each its own statement (and
