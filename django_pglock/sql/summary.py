@@ -9,10 +9,9 @@ a test's clean-up) goes through the same triggers.
 
 No writer ever waits for a summary. A write first tries to become its job's summary
 writer for the rest of its transaction: by locking the job's summary row (``FOR UPDATE
-SKIP LOCKED``), or, for a job without one yet, by a transaction advisory lock that every
-creator of a summary holds until it commits (``pg_try_advisory_xact_lock``; row locks cost
-no slot of the server's shared lock table, these do, so a transaction creates at most 1,000
-summaries and marks the other jobs; ``pglock_prune`` settles marked jobs in batches).
+SKIP LOCKED``: no slot of the server's shared lock table), or, for a job without one yet,
+by a transaction advisory lock that every creator of a summary holds until it commits
+(``pg_try_advisory_xact_lock``, one of 16 per database: a transaction takes at most 16).
 
 * The writer removes the job's stale marks (their writers have committed) and then
   recounts the job from the history, when there were marks or its own change may have
@@ -24,7 +23,8 @@ summaries and marks the other jobs; ``pglock_prune`` settles marked jobs in batc
   could not write a row changed since its snapshot) inserts a stale mark
   (``django_pglock_stalesummary``) instead, committed with its change. Readers recount a
   job with a mark from the history they see, so their answer is always what the history
-  says; the job's next writer recounts it and clears the marks.
+  says; the job's next writer recounts it and clears the marks (``pglock_prune`` settles
+  every marked job).
 
 A recount runs after the marks are removed, with a fresh snapshot (a PL/pgSQL function takes
 one per statement), so it sees every change whose mark it removed; a change committed later
@@ -37,28 +37,49 @@ them. Changing them takes a new migration (and the old text frozen into 0008).
 
 from __future__ import annotations
 
-__all__ = ["BACKFILL", "INSTALL", "INSTALLED", "SETTLE_STALE", "TRIGGERS", "UNINSTALL"]
+__all__ = [
+    "BACKFILL",
+    "INSTALL",
+    "INSTALLED",
+    "READ",
+    "SETTLE_STALE",
+    "TABLES",
+    "TRIGGERS",
+    "UNINSTALL",
+]
 
 _SUMMARY = "django_pglock_jobsummary"
 _STALE = "django_pglock_stalesummary"
 _RUNS = "django_pglock_jobrun"
 _CLAIMS = "django_pglock_scheduleclaim"
-# The first key of the advisory lock a job's summary is created under ("pglk"); the second
-# is the name's hashtext. Two names with one hash share it: a write of one may mark the
-# other stale. (An acquire's gate, sql/acquire.py, uses the same two-key space, with the
-# halves of a name's 64-bit key: it meets this lock only if that key is this pair.)
+# The advisory lock a job's summary is created under: ("pglk", one of 16 buckets of the
+# name's hashtext). A transaction that creates many summaries takes at most 16 slots of the
+# server's shared lock table; two new jobs of one bucket created at once: one is marked.
+# (An acquire's gate, sql/acquire.py, uses the same two-key space, with the halves of a
+# name's 64-bit key: it meets these 16 locks only if that key is one of them.)
 _LOCK_KEY = 0x70676C6B
-# How many summaries one transaction creates under those locks (each takes a slot of the
-# server's shared lock table until the transaction ends; a bulk write of more jobs marks
-# the rest, and a transaction-local setting counts them).
-_CREATED = "django_pglock.summaries_created"
-_CREATED_MAX = 1000
+_BUCKETS = 16
 
 _COLUMNS = (
     "name, has_runs, last_id, last_outcome, last_started_at, last_finished_at, last_duration, "
     "last_host, success_id, success_started_at, success_at, failure_id, failure_started_at, "
     "failure_at, claim_slot, claim_schedule"
 )
+
+#: The tables: a job's summary (the columns of ``_COLUMNS``, in that order), and its stale
+#: marks. Not Django models: only the triggers write them (no fixture, no ORM clean-up).
+TABLES = [
+    f"""CREATE TABLE IF NOT EXISTS {_SUMMARY} (
+    name varchar(255) PRIMARY KEY,
+    has_runs boolean NOT NULL,
+    last_id bigint, last_outcome varchar(16), last_started_at timestamptz,
+    last_finished_at timestamptz, last_duration double precision, last_host varchar(255),
+    success_id bigint, success_started_at timestamptz, success_at timestamptz,
+    failure_id bigint, failure_started_at timestamptz, failure_at timestamptz,
+    claim_slot timestamptz, claim_schedule varchar(255))""",
+    f"CREATE TABLE IF NOT EXISTS {_STALE} (name varchar(255) NOT NULL)",
+    f"CREATE INDEX IF NOT EXISTS {_STALE}_name ON {_STALE} (name)",
+]
 
 # A job's newest run of a kind (its last run, success, failure): by start, then id.
 _NEWEST = f"""(SELECT r.id, r.outcome, r.started_at, r.finished_at, r.duration, r.host
@@ -93,22 +114,17 @@ RETURNS boolean LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 DECLARE
     writer boolean := false;
     marks integer;
-    created integer;
 BEGIN
     -- A snapshot transaction (REPEATABLE READ, SERIALIZABLE) could not write a summary
     -- changed since its snapshot: it marks the job instead.
-    IF current_setting('transaction_isolation') = 'read committed' THEN
+    IF current_setting('transaction_isolation') IN ('read committed', 'read uncommitted') THEN
         -- The writer of an existing summary holds its row lock (no lock-table slot).
         PERFORM 1 FROM {_SUMMARY} WHERE name = job FOR UPDATE SKIP LOCKED;
         writer := FOUND;
         IF NOT writer AND NOT EXISTS (SELECT 1 FROM {_SUMMARY} WHERE name = job) THEN
-            -- A job without a summary: its creator holds the job's advisory lock until it
-            -- commits, so that nobody waits for its uncommitted row. Those take lock-table
-            -- slots: at most {_CREATED_MAX} per transaction, the other jobs are marked.
-            created := coalesce(nullif(current_setting('{_CREATED}', true), ''), '0')::int;
-            IF created < {_CREATED_MAX}
-               AND pg_try_advisory_xact_lock({_LOCK_KEY}, hashtext(job)) THEN
-                PERFORM set_config('{_CREATED}', (created + 1)::text, true);
+            -- A job without a summary: its creator holds the creation lock until it
+            -- commits, so that nobody waits for its uncommitted row.
+            IF pg_try_advisory_xact_lock({_LOCK_KEY}, hashtext(job) & {_BUCKETS - 1}) THEN
                 -- (A creator that committed meanwhile: its row, which may be locked.)
                 PERFORM 1 FROM {_SUMMARY} WHERE name = job FOR UPDATE SKIP LOCKED;
                 writer := FOUND OR NOT EXISTS (SELECT 1 FROM {_SUMMARY} WHERE name = job);
@@ -313,13 +329,15 @@ SELECT count(django_pglock_settle_job(name, true, false)), max(name) FROM (
 _EVENTS = ("insert", "update", "delete", "truncate")
 _TRIGGERS = [f"{table}_summary_{event}" for table in (_RUNS, _CLAIMS) for event in _EVENTS]
 
-#: Remove the triggers and functions (the tables go with their models).
+#: Remove the triggers, the functions and the tables.
 UNINSTALL = [
     *(f"DROP TRIGGER IF EXISTS {name} ON {name.split('_summary_')[0]}" for name in _TRIGGERS),
     "DROP FUNCTION IF EXISTS django_pglock_summarise_runs()",
     "DROP FUNCTION IF EXISTS django_pglock_summarise_claims()",
     "DROP FUNCTION IF EXISTS django_pglock_settle_job(varchar, boolean, boolean)",
     "DROP FUNCTION IF EXISTS django_pglock_count_job(varchar)",
+    f"DROP TABLE IF EXISTS {_STALE}",
+    f"DROP TABLE IF EXISTS {_SUMMARY}",
 ]
 
 #: How many triggers keep the summaries.
