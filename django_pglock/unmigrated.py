@@ -6,7 +6,7 @@ SQL: the fencing-token sequence (0001), without which every acquire fails, and t
 summaries with their triggers (0008), without which job health would see no history.
 After every ``migrate`` (and every test ``flush``), a database where django_pglock's tables
 exist but none of its migrations is recorded gets them, its jobs summarised, in one
-transaction. Where the migrations ran, this costs one query.
+transaction. Where the migrations ran, this costs a query or two.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ MAX_AGE_DAYS = int(MAX_SECONDS // 86400)
 #: Rows deleted per statement: each statement stays far below the lock session's 30 s
 #: statement timeout, and only three numbers come back per batch, whatever the table's size.
 BATCH_SIZE = 10_000
-#: Jobs whose stale summary one statement settles (at most as many summaries as one
-#: transaction creates, see ``sql.summary``).
+#: Jobs whose stale summary one statement settles (see ``sql.summary``); a job whose
+#: summary another transaction is writing stays marked.
 SETTLE_BATCH = 1_000
 
 
