@@ -358,9 +358,14 @@ class Writer:
             self.runs, self.claims = runs, claims
         self.transactions += 1
 
-    def run(self, until):
+    def run(self, until, minimum=40, cap=120.0):
+        """Write until ``until`` and at least ``minimum`` transactions (a busy machine is
+        slower, not shorter), never past ``cap`` seconds from now."""
+        deadline = time.monotonic() + cap
         try:
-            while time.monotonic() < until:
+            while (time.monotonic() < until or self.transactions < minimum) and (
+                time.monotonic() < deadline
+            ):
                 self.transaction()
         except Exception as exc:
             self.errors.append(repr(exc))
@@ -401,7 +406,9 @@ def test_random_interleavings_never_wait_and_readers_see_the_history(db, pg_url,
             thread.start()
         with psycopg.connect(dsn) as reader:
             reader.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
-            while time.monotonic() < until:
+            while time.monotonic() < until or (
+                reads < 50 and any(thread.is_alive() for thread in threads)
+            ):
                 seen, want = stored(reader, names), expected(reader, names)
                 reader.commit()
                 reads += 1
@@ -409,7 +416,7 @@ def test_random_interleavings_never_wait_and_readers_see_the_history(db, pg_url,
                     disagreements.append((seen, want))
                 time.sleep(0.01)
         for thread in threads:
-            thread.join(30)
+            thread.join(150)
         assert [w.errors for w in writers] == [[], [], []]
         assert not disagreements, disagreements[:2]
         assert reads > 50 and sum(w.transactions for w in writers) > 100
