@@ -21,9 +21,10 @@ the floor less the server; Python and the other statements: ``job_health`` less 
 floor), the statements one call sends, and the indexes the plan used.
 
 What the summaries cost where runs are written: a recorded cycle (``Lock(record=True)``:
-acquire, which starts a run, and release, which finishes it) and a recorded skip, each
-timed in alternating blocks with the summary triggers enabled and disabled (``ALTER TABLE
-.. DISABLE TRIGGER``), medians of the blocks. The database is dropped at the end.
+acquire, which starts a run, and release, which finishes it) and a refused recorded acquire
+(which writes no run), each timed in alternating blocks with the summary triggers enabled
+and disabled (``ALTER TABLE .. DISABLE TRIGGER``: the summaries drift meanwhile, which
+nothing reads any more), medians of the blocks. The database is dropped at the end.
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ _TRIGGERS = (
 
 
 def _write_costs(floor: Any, rounds: int, per_block: int = 100) -> dict[str, Any]:
-    """Microseconds per recorded cycle and per recorded skip, with the summary triggers
+    """Microseconds per recorded cycle and per refused recorded acquire, with the summary triggers
     and without them (alternating blocks of ``per_block``)."""
     from django_pglock import Lock
 
