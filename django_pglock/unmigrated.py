@@ -16,7 +16,8 @@ from typing import Any
 from django.db import connections, router, transaction
 from django.db.migrations.recorder import MigrationRecorder
 
-from .sql import SEQUENCE, TABLE, summary
+from .sql import SEQUENCE, TABLE
+from .sql import summary_schema as summary
 
 __all__ = ["complete"]
 

@@ -6,7 +6,12 @@ independent of the triggers), what readers see (``stored``), the stored rows alo
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import uuid
+
+import psycopg
+from psycopg import sql as pgsql
 
 from django_pglock.sql import summary
 
@@ -102,3 +107,37 @@ def claim(db, name, slot, schedule="0 * * * *"):
         " VALUES (%s, %s, 'h', now(), %s)",
         [name, slot, schedule],
     )
+
+
+@contextlib.contextmanager
+def scratch_database(pg_url, env, label):
+    """A database of its own, dropped afterwards: (its name, ``env`` for children using it)."""
+    name = f"pglock_{label}_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        admin.execute(pgsql.SQL("CREATE DATABASE {}").format(pgsql.Identifier(name)))
+        try:
+            yield name, {**env, "PGLOCK_TEST_DB_NAME": name}
+        finally:
+            admin.execute(pgsql.SQL("DROP DATABASE {} WITH (FORCE)").format(pgsql.Identifier(name)))
+
+
+def lock_table_capacity(pg_url, dbname):
+    """How many transaction advisory locks fit in the server's shared lock table now."""
+    capacity = 0
+    with psycopg.connect(pg_url, dbname=dbname) as probe:
+        for step in (8_000, 4_000, 2_000, 1_000, 500, 100):
+            while True:
+                try:
+                    probe.execute("SAVEPOINT s")
+                    probe.execute(
+                        "SELECT count(pg_advisory_xact_lock(7, g))"
+                        " FROM generate_series(%s::int, %s::int) g",
+                        [capacity, capacity + step - 1],
+                    )
+                    probe.execute("RELEASE SAVEPOINT s")
+                    capacity += step
+                except psycopg.errors.OutOfMemory:
+                    probe.execute("ROLLBACK TO SAVEPOINT s")
+                    break
+        probe.rollback()
+    return capacity

@@ -23,12 +23,19 @@ import psycopg
 import pytest
 from django.db import transaction
 from psycopg import errors
-from psycopg import sql as pgsql
 
 from django_pglock import singleton_job
 from django_pglock.health import job_health
 from django_pglock.models import JobRun
-from tests.summarykit import at, claim, expected, insert, stored
+from tests.summarykit import (
+    at,
+    claim,
+    expected,
+    insert,
+    lock_table_capacity,
+    scratch_database,
+    stored,
+)
 
 pytestmark = [pytest.mark.usefixtures("clean_locks")]
 
@@ -119,24 +126,7 @@ def test_pglock_prune_batch_while_another_transaction_holds_summary_locks(db, pg
     from django.core.management import call_command
     from django.core.management.base import CommandError
 
-    # How many transaction advisory locks fit in this server's shared lock table now.
-    capacity = 0
-    with psycopg.connect(pg_url, dbname=test_db_name) as probe:
-        for step in (8_000, 4_000, 2_000, 1_000, 500):
-            while True:
-                try:
-                    probe.execute("SAVEPOINT s")
-                    probe.execute(
-                        "SELECT count(pg_advisory_xact_lock(7, g))"
-                        " FROM generate_series(%s::int, %s::int) g",
-                        [capacity, capacity + step - 1],
-                    )
-                    probe.execute("RELEASE SAVEPOINT s")
-                    capacity += step
-                except errors.OutOfMemory:
-                    probe.execute("ROLLBACK TO SAVEPOINT s")
-                    break
-        probe.rollback()
+    capacity = lock_table_capacity(pg_url, test_db_name)
     prune_jobs = 10_000
     other_jobs = max(capacity - prune_jobs + 2_000, 1)
     prefix, other = unique("prune") + "-", unique("other") + "-"
@@ -186,14 +176,8 @@ with connection.cursor() as cursor:
 
 @pytest.fixture
 def scratch(pg_url, procs):
-    """A database of its own, dropped afterwards; (its name, the children's environment)."""
-    name = f"pglock_attack14c_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(pg_url, autocommit=True) as admin:
-        admin.execute(pgsql.SQL("CREATE DATABASE {}").format(pgsql.Identifier(name)))
-        try:
-            yield name, {**procs.env, "PGLOCK_TEST_DB_NAME": name}
-        finally:
-            admin.execute(pgsql.SQL("DROP DATABASE {} WITH (FORCE)").format(pgsql.Identifier(name)))
+    with scratch_database(pg_url, procs.env, "attack14c") as made:
+        yield made
 
 
 @pytest.mark.django_db(transaction=True)

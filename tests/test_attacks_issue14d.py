@@ -28,7 +28,7 @@ from psycopg import errors
 
 from django_pglock import singleton_job
 from django_pglock.health import job_health
-from tests.summarykit import at, claim, expected, insert, marked, raw, stored
+from tests.summarykit import at, claim, expected, insert, lock_table_capacity, marked, raw, stored
 
 pytestmark = [pytest.mark.usefixtures("clean_locks")]
 
@@ -84,28 +84,6 @@ def test_the_summaries_are_no_models_fixtures_and_the_orm_cannot_write_them(tmp_
 # ---------------------------------------------------------------------------------------
 # Finding: one creation lock per summary filled the server's shared lock table.
 # ---------------------------------------------------------------------------------------
-
-
-def lock_table_capacity(pg_url, test_db_name):
-    """How many transaction advisory locks fit in this server's shared lock table now."""
-    capacity = 0
-    with psycopg.connect(pg_url, dbname=test_db_name) as probe:
-        for step in (8_000, 4_000, 2_000, 1_000, 500, 100):
-            while True:
-                try:
-                    probe.execute("SAVEPOINT s")
-                    probe.execute(
-                        "SELECT count(pg_advisory_xact_lock(7, g))"
-                        " FROM generate_series(%s::int, %s::int) g",
-                        [capacity, capacity + step - 1],
-                    )
-                    probe.execute("RELEASE SAVEPOINT s")
-                    capacity += step
-                except errors.OutOfMemory:
-                    probe.execute("ROLLBACK TO SAVEPOINT s")
-                    break
-        probe.rollback()
-    return capacity
 
 
 @pytest.mark.django_db(transaction=True)

@@ -15,13 +15,22 @@ import uuid
 import psycopg
 import pytest
 from django.core.management import call_command
-from psycopg import sql as pgsql
 
 from django_pglock import Lock, singleton_job
 from django_pglock.health import job_health
 from django_pglock.models import JobRun
-from django_pglock.sql import summary
-from tests.summarykit import assert_summarised, at, claim, expected, insert, marked, raw, stored
+from django_pglock.sql import summary_schema as summary
+from tests.summarykit import (
+    assert_summarised,
+    at,
+    claim,
+    expected,
+    insert,
+    marked,
+    raw,
+    scratch_database,
+    stored,
+)
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("clean_locks")]
 
@@ -296,9 +305,7 @@ import django
 django.setup()
 from django.core.management import call_command
 from django.db import connection
-from django_pglock.sql import summary
-from tests.summarykit import assert_summarised, at, claim, expected, insert, marked, raw, stored
-
+from django_pglock.sql import summary_schema as summary
 call_command("migrate", "django_pglock", "0007", verbosity=0)
 with connection.cursor() as cursor:
     cursor.execute(
@@ -319,8 +326,10 @@ call_command("migrate", "django_pglock", "0007", verbosity=0)
 with connection.cursor() as cursor:
     cursor.execute(summary.INSTALLED)
     print("installed", cursor.fetchone()[0])
-    cursor.execute("SELECT to_regprocedure('django_pglock_resummarise(varchar[])')")
-    print("function", cursor.fetchone()[0])
+    cursor.execute(
+        "SELECT to_regprocedure('django_pglock_settle_job(varchar, boolean, boolean)'),"
+        " to_regclass('django_pglock_jobsummary'), to_regclass('django_pglock_stalesummary')")
+    print("left", *cursor.fetchone())
     cursor.execute(
         "INSERT INTO django_pglock_jobrun (name, holder, host, pid, description, started_at,"
         " outcome) VALUES ('after', 'h', 'w', 1, '', now(), 'running')")  # no trigger left
@@ -343,9 +352,7 @@ from django.core.management import call_command
 from django.db import connection
 from django_pglock import singleton_job
 from django_pglock.health import job_health
-from django_pglock.sql import summary
-from tests.summarykit import assert_summarised, at, claim, expected, insert, marked, raw, stored
-
+from django_pglock.sql import summary_schema as summary
 call_command("migrate", run_syncdb=True, verbosity=0)
 with connection.cursor() as cursor:
     cursor.execute(summary.INSTALLED)
@@ -365,14 +372,8 @@ print("health", [(h.name, h.last_outcome) for h in job_health(announce=False)])
 
 @pytest.fixture
 def scratch(pg_url, procs):
-    """A database of its own, dropped afterwards; (its name, the children's environment)."""
-    name = f"pglock_summary_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(pg_url, autocommit=True) as admin:
-        admin.execute(pgsql.SQL("CREATE DATABASE {}").format(pgsql.Identifier(name)))
-        try:
-            yield name, {**procs.env, "PGLOCK_TEST_DB_NAME": name}
-        finally:
-            admin.execute(pgsql.SQL("DROP DATABASE {} WITH (FORCE)").format(pgsql.Identifier(name)))
+    with scratch_database(pg_url, procs.env, "summary") as made:
+        yield made
 
 
 def test_the_migration_summarises_the_history_and_goes_back_cleanly(scratch, procs, pg_url):
@@ -383,7 +384,12 @@ def test_the_migration_summarises_the_history_and_goes_back_cleanly(scratch, pro
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     # 7 jobs with history and one with a claim only; then no trigger and no function left.
-    assert lines == [f"installed {summary.TRIGGERS}", "summaries 8", "installed 0", "function None"]
+    assert lines == [
+        f"installed {summary.TRIGGERS}",
+        "summaries 8",
+        "installed 0",
+        "left None None None",
+    ]
     with psycopg.connect(pg_url, dbname=name, autocommit=True) as conn:
         names = [row[0] for row in conn.execute("SELECT name FROM django_pglock_jobsummary")]
         assert len(names) == 9 and "after" in names  # summarised again when migrated forward

@@ -5,13 +5,14 @@ stale marks, for the jobs whose summary a write could not update (see
 
 The triggers are created, and every job with history or claims summarised, in this
 migration's transaction: a run written while it runs waits for it and then goes through
-the triggers. The statements come from ``django_pglock.sql.summary``; a later change to
+the triggers. The statements come from ``django_pglock.sql.summary_schema`` (and
+``summary``); a later change to
 them freezes this version's text here and comes with a migration of its own.
 """
 
 from django.db import migrations
 
-from django_pglock.sql import summary
+from django_pglock.sql import summary_schema as summary
 
 from ._postgres import RunSQLOnPostgres
 
